@@ -1,0 +1,26 @@
+# One venv for everything; `make run` and `make test` set it up on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH ?= torch==2.13.0
+
+.PHONY: setup run test lint
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+run: setup
+	$(VENV)/bin/dspark generate --drafter ngram "Write a Python function that checks whether a number is prime."
+
+test: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .

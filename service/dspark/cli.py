@@ -1,0 +1,18 @@
+"""The `dspark` command line. Each subcommand lives in `dspark.commands.<name>`."""
+
+from __future__ import annotations
+
+import click
+
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="dspark-serve")
+def main() -> None:
+    """DSpark Serve: confidence-scheduled speculative decoding."""
+
+
+
+
+if __name__ == "__main__":
+    main()
