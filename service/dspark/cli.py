@@ -5,7 +5,6 @@ from __future__ import annotations
 import click
 
 
-
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="dspark-serve")
 def main() -> None:

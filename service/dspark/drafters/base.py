@@ -1,0 +1,48 @@
+"""The interface every drafter implements, and what it returns."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dspark.engine.request import Request
+from dspark.engine.sampler import SamplingTensors
+
+
+@dataclass
+class DraftBlock:
+    """A proposed block for each of R requests."""
+
+    tokens: torch.Tensor  # [R, gamma] int64
+    probs: torch.Tensor | None  # [R, gamma, V] distribution each token was drawn from; None = one-hot
+    confidences: torch.Tensor | None = None  # [R, gamma]: P(accept k | 1..k-1 accepted), calibrated
+
+
+class Drafter(ABC):
+    """Proposes draft blocks; sees the target's features of every token the target commits.
+
+    Lifecycle per request: `admit` when it gets a KV slot, `commit` after every forward that
+    adds tokens to the target's cache (prefill chunks and verification steps, only the tokens
+    the target keeps, in order), `propose` before each verification, `release` when it ends.
+    Rejected draft tokens never reach `commit`, so drafter context needs no rollback.
+    """
+
+    name: str = "base"
+    gamma: int = 0
+    target_layers: tuple[int, ...] = ()  # decoder layers whose outputs `commit` receives
+
+    def admit(self, request: Request) -> None:  # noqa: B027 - optional hook
+        """A request got a KV slot."""
+
+    def release(self, request: Request) -> None:  # noqa: B027 - optional hook
+        """A request finished or was aborted."""
+
+    def commit(self, requests: Sequence[Request], features: Sequence[torch.Tensor | None]) -> None:  # noqa: B027
+        """Features [n_r, len(target_layers) * hidden] of the tokens just cached for each request."""
+
+    @abstractmethod
+    def propose(self, requests: Sequence[Request], sampling: SamplingTensors) -> DraftBlock:
+        """Draft `gamma` tokens after each request's last token (its anchor)."""

@@ -1,0 +1,63 @@
+"""What the engine hands back to callers: per-request deltas and per-step statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+
+
+@dataclass
+class RequestOutput:
+    """One request's progress in one engine step (a delta, not the whole text)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass
+class RequestStats:
+    """Speculation statistics of one request, final when it finishes."""
+
+    rounds: int = 0  # verification rounds (decode steps)
+    draft_tokens: int = 0  # draft tokens sent to verification
+    accepted_tokens: int = 0  # draft tokens accepted
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def tau(self) -> float:
+        """Accepted length per round, bonus token included."""
+        return 1.0 + self.accepted_tokens / self.rounds if self.rounds else 0.0
+
+
+@dataclass
+class StepStats:
+    """What one engine step did: the serving layer turns these into metrics."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_prefill_tokens: int = 0
+    verify_batch_tokens: int = 0  # B: total tokens in the verification forward
+    num_drafts: int = 0  # requests that verified at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    verify_budgets: list[int] = field(default_factory=list)  # l_r per decoding request
+    draft_time_s: float = 0.0
+    schedule_time_s: float = 0.0
+    forward_time_s: float = 0.0
+    step_time_s: float = 0.0

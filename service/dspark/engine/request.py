@@ -1,0 +1,56 @@
+"""A request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from dspark.engine.outputs import RequestOutput, RequestStats
+from dspark.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """Token ids and progress of one generation.
+
+    Invariant while decoding: the target's KV cache holds `num_cached` tokens, and exactly one
+    token (`all_token_ids[-1]`, the anchor of the next draft) is generated but not yet cached.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    on_output: Callable[[RequestOutput], None] | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    slot: int = -1  # KV cache slot (target and drafter share the index)
+    num_cached: int = 0
+    generator: torch.Generator | None = None
+    stats: RequestStats = field(default_factory=RequestStats)
+    text: str = ""  # detokenized output so far
+    finish_reason: str | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_cached < len(self.prompt_token_ids)
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.params.max_tokens - len(self.output_token_ids)

@@ -1,0 +1,116 @@
+"""Pure tensor sampling: temperature, top-k, top-p and per-request seeded draws.
+
+The same `logits_to_probs` is applied to target and draft logits, so the draft
+distribution a token was drawn from is exactly the one verification compares
+against (lossless rejection sampling depends on it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dspark.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingTensors:
+    """Sampling parameters of R requests as tensors (one row each)."""
+
+    temperature: torch.Tensor  # [R] float32, 0 for greedy rows
+    top_k: torch.Tensor  # [R] int64, 0 = off
+    top_p: torch.Tensor  # [R] float32, 1 = off
+    generators: Sequence[torch.Generator | None]  # per row; None draws from the global RNG
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> SamplingTensors:
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            generators=list(generators) if generators is not None else [None] * len(params),
+        )
+
+    def __len__(self) -> int:
+        return self.temperature.shape[0]
+
+    @property
+    def greedy(self) -> torch.Tensor:
+        return self.temperature == 0
+
+    def select(self, rows: Sequence[int]) -> SamplingTensors:
+        idx = torch.as_tensor(list(rows), dtype=torch.long, device=self.temperature.device)
+        return SamplingTensors(
+            self.temperature[idx], self.top_k[idx], self.top_p[idx], [self.generators[i] for i in rows]
+        )
+
+
+def logits_to_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Logits [R, ..., V] -> float32 probabilities after temperature, top-k and top-p.
+
+    Greedy rows become one-hot at the argmax, so verification of greedy requests reduces to
+    "accept while the draft token equals the target argmax".
+    """
+    shape = logits.shape
+    x = logits.float().reshape(shape[0], -1, shape[-1])
+    greedy = st.greedy
+    temp = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
+    x = x / temp[:, None, None]
+
+    k = torch.where(greedy, 0, st.top_k)
+    if bool((k > 0).any()):
+        x = _apply_top_k(x, k)
+    p = torch.where(greedy, 1.0, st.top_p)
+    if bool((p < 1).any()):
+        x = _apply_top_p(x, p)
+    probs = torch.softmax(x, dim=-1)
+
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None, None], one_hot, probs)
+    return probs.reshape(shape)
+
+
+def _apply_top_k(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    vocab = x.shape[-1]
+    k = torch.where(k > 0, k.clamp(max=vocab), vocab)
+    top = torch.topk(x, int(k.max()), dim=-1).values  # [R, N, kmax]
+    kth = top.gather(-1, (k - 1)[:, None, None].expand(-1, x.shape[1], 1))
+    return x.masked_fill(x < kth, float("-inf"))
+
+
+def _apply_top_p(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    sorted_x, order = torch.sort(x, dim=-1, descending=True)
+    cum = torch.softmax(sorted_x, dim=-1).cumsum(-1)
+    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    drop_sorted = (cum - torch.softmax(sorted_x, dim=-1)) >= p[:, None, None]
+    drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+    return x.masked_fill(drop, float("-inf"))
+
+
+def random_rows(
+    shape: Sequence[int], generators: Sequence[torch.Generator | None], device: torch.device, kind: str
+) -> torch.Tensor:
+    """Random tensor [R, ...]: rows with a generator draw from it, the rest from the global RNG."""
+    out = torch.empty(tuple(shape), dtype=torch.float32, device=device)
+    draw = (lambda t, g=None: t.exponential_(generator=g)) if kind == "exponential" else (
+        lambda t, g=None: t.uniform_(generator=g)
+    )
+    draw(out)
+    for i, g in enumerate(generators):
+        if g is not None:
+            draw(out[i], g)
+    return out
+
+
+def sample(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """Draw one token per distribution from probs [R, ..., V] (exponential race, no CPU sync)."""
+    noise = random_rows(probs.shape, generators, probs.device, "exponential").clamp_min_(1e-20)
+    return (probs / noise).argmax(-1)

@@ -1,0 +1,21 @@
+"""Fixed verify lengths: no speculation, a static length, or the full block."""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.policies.base import VerifyPolicy
+
+
+class StaticPolicy(VerifyPolicy):
+    """Verify min(length, gamma) draft tokens for every request (length None = full block)."""
+
+    def __init__(self, length: int | None) -> None:
+        if length is not None and length < 0:
+            raise ValueError(f"static verify length must be >= 0, got {length}")
+        self.length = length
+        self.name = "full" if length is None else ("none" if length == 0 else f"static:{length}")
+
+    def schedule(self, confidences: torch.Tensor | None, gamma: int, num_requests: int) -> torch.Tensor:
+        k = gamma if self.length is None else min(self.length, gamma)
+        return torch.full((num_requests,), k, dtype=torch.int64)
