@@ -22,9 +22,9 @@ class OnlineSps:
     Each observation (B, seconds) gives the ratio of observed to prior step time at B; it is
     shared between the two grid points around B in proportion to their closeness (below the
     first or above the last point, all to the end point). A grid point's log correction moves
-    toward the observed log ratio with rate max(alpha, 1 / (n + prior_weight)): a running mean
-    in which the prior counts as `prior_weight` observations while few have arrived, then an
-    EWMA with rate `alpha` that keeps following drift. One observation moves a correction by at
+    toward the observed log ratio like a running mean in which the prior counts as
+    `prior_weight` observations, but never slower than an EWMA with rate `alpha`, so it keeps
+    following drift once many observations have arrived. One observation moves a correction by at
     most a factor `max_jump`, so a single stalled step (a GC pause, a page fault) cannot wreck it.
 
     `sps()` always reflects every observation; the dense `table()` the scheduler indexes is
@@ -70,9 +70,10 @@ class OnlineSps:
             raise ValueError(f"step time must be a positive finite number of seconds, got {seconds}")
         log_ratio = math.log(seconds * self.prior.sps(float(batch_tokens)))
         for i, share in self._neighbours(float(batch_tokens)):
-            rate = share * max(self.alpha, 1.0 / (self._weight[i] + self.prior_weight))
+            # Running mean with the prior as `prior_weight` pseudo-observations, floored at the EWMA rate.
+            rate = max(self.alpha * share, share / (self._weight[i] + self.prior_weight + share))
             step = max(-self.max_log_jump, min(self.max_log_jump, log_ratio - self._log_corr[i]))
-            self._log_corr[i] += min(rate, 1.0) * step
+            self._log_corr[i] += rate * step
             self._weight[i] += share
         self._log_corr_t = None
         self.observations += 1

@@ -110,6 +110,14 @@ class SpsProfile(BaseModel):
         self._fp = torch.tensor([p.steps_per_second for p in self.points], dtype=torch.float64)
         self._tail_slope = _tail_slope(self._xp.tolist(), (1.0 / self._fp).tolist())
 
+    def __eq__(self, other: object) -> bool:
+        # Same measurements and metadata; where it was loaded from and the lookup caches don't count.
+        if not isinstance(other, SpsProfile):
+            return NotImplemented
+        return self.model_dump() == other.model_dump()
+
+    __hash__ = None  # type: ignore[assignment]  # `engine` is a free dict
+
     # -- loading and saving -------------------------------------------------------------------
 
     @classmethod
