@@ -158,3 +158,19 @@ def test_default_profile_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
 def test_current_device_name_is_a_name() -> None:
     name = current_device_name()
     assert isinstance(name, str) and name.strip() == name and name
+
+
+def test_profile_format_imports_without_torch() -> None:
+    # The operator image has no torch but reads and validates profiles.
+    import subprocess
+    import sys
+
+    service = Path(__file__).resolve().parents[2] / "service"
+    code = (
+        "import sys; import dspark.profiling.sps_profile as m; "
+        "m.SpsProfile.parse('{\"device\": \"d\", \"model\": \"m\", \"dtype\": \"float32\", "
+        "\"points\": [{\"batch_tokens\": 1, \"steps_per_second\": 2.0}]}'); "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    result = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": str(service)}, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

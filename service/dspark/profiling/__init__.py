@@ -1,6 +1,5 @@
-"""Engine step-rate profiles (SPS curves): format, lookup, online refinement, plots."""
+"""Engine step-rate profiles (SPS curves): format, lookup, online refinement, plots.
 
-from dspark.profiling.online import OnlineSps
-from dspark.profiling.sps_profile import ProfileError, SpsCurve, SpsPoint, SpsProfile, default_profile_path
-
-__all__ = ["OnlineSps", "ProfileError", "SpsCurve", "SpsPoint", "SpsProfile", "default_profile_path"]
+Submodules are imported directly (`dspark.profiling.sps_profile`, `.online`, `.plots`, ...):
+the profile format stays importable without torch.
+"""

@@ -8,7 +8,8 @@ JSON layout (version 1), shared by the profiler, the policies and the operator:
      "points": [{"batch_tokens": 1, "steps_per_second": 61.2}, ...]}
 
 A measured curve is jagged (kernel tiles, CUDA-graph buckets) and is kept as measured; the
-points are only sorted by batch size.
+points are only sorted by batch size. Importing this module does not import torch (the
+operator validates profiles without it); the lookup does.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ import re
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal, Protocol, overload
+from typing import TYPE_CHECKING, Any, Literal, Protocol, overload
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
-from dspark.profiling.interpolation import interp_flat
+if TYPE_CHECKING:  # torch is imported on first lookup: the operator reads profiles without it
+    import torch
 
 Dtype = Literal["bfloat16", "float32"]
 
@@ -83,8 +84,8 @@ class SpsProfile(BaseModel):
 
     _source: str = PrivateAttr(default="<memory>")
     _tail_slope: float = PrivateAttr(default=0.0)
-    _xp: torch.Tensor = PrivateAttr()
-    _fp: torch.Tensor = PrivateAttr()
+    _xp: torch.Tensor | None = PrivateAttr(default=None)
+    _fp: torch.Tensor | None = PrivateAttr(default=None)
     _table: torch.Tensor | None = PrivateAttr(default=None)
 
     @field_validator("created")
@@ -106,9 +107,9 @@ class SpsProfile(BaseModel):
         return points
 
     def model_post_init(self, context: Any) -> None:
-        self._xp = torch.tensor([p.batch_tokens for p in self.points], dtype=torch.float64)
-        self._fp = torch.tensor([p.steps_per_second for p in self.points], dtype=torch.float64)
-        self._tail_slope = _tail_slope(self._xp.tolist(), (1.0 / self._fp).tolist())
+        self._tail_slope = _tail_slope(
+            [float(p.batch_tokens) for p in self.points], [1.0 / p.steps_per_second for p in self.points]
+        )
 
     def __eq__(self, other: object) -> bool:
         # Same measurements and metadata; where it was loaded from and the lookup caches don't count.
@@ -199,16 +200,25 @@ class SpsProfile(BaseModel):
         and the whole curve's time-per-token slopes (never negative; a one-point profile
         assumes time proportional to B), so extrapolated SPS never increases and errs low.
         """
+        import torch
+
+        from dspark.profiling.interpolation import interp_flat
+
         if not isinstance(batch_tokens, torch.Tensor):
             return float(self.sps(torch.tensor([float(batch_tokens)], dtype=torch.float64))[0])
+        if self._xp is None or self._fp is None:
+            self._xp = torch.tensor(self.batch_tokens(), dtype=torch.float64)
+            self._fp = torch.tensor(self.steps_per_second(), dtype=torch.float64)
         b = batch_tokens.to(torch.float64)
         inside = interp_flat(b, self._xp, self._fp)
-        last_b, last_sps = self._xp[-1].item(), self._fp[-1].item()
+        last_b, last_sps = float(self.points[-1].batch_tokens), self.points[-1].steps_per_second
         tail = 1.0 / (1.0 / last_sps + self._tail_slope * (b - last_b).clamp_min(0.0))
         return torch.where(b > last_b, tail, inside)
 
     def table(self, max_batch_tokens: int) -> torch.Tensor:
         """SPS at every integer B in [0, max_batch_tokens] (and maybe beyond), float64 on the CPU."""
+        import torch
+
         if self._table is None or self._table.numel() <= max_batch_tokens:
             size = max(max_batch_tokens + 1, 2 * (0 if self._table is None else self._table.numel()), 64)
             self._table = self.sps(torch.arange(size, dtype=torch.float64))
