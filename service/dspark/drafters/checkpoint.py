@@ -108,13 +108,17 @@ def load_draft_model(
         raise ValueError(f"checkpoint {checkpoint_dir} lacks weights {missing}{hint}")
     unexpected = [k for k in state if k not in model.state_dict()]
     if unexpected:
-        raise ValueError(f"checkpoint {checkpoint_dir} has weights this {config.kind} drafter does not use: {unexpected}")
+        raise ValueError(
+            f"checkpoint {checkpoint_dir} has weights this {config.kind} drafter does not use: {unexpected}"
+        )
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False)
     return model.to(device=device, dtype=dtype).eval()
 
 
-def save_draft_model(model: DSparkModel | Eagle3Model, out_dir: str | Path, include_shared: bool = False) -> None:
+def save_draft_model(
+    model: DSparkModel | Eagle3Model, out_dir: str | Path, include_shared: bool = False
+) -> None:
     """Write config.json + model.safetensors in the layout `load_draft_model` reads.
 
     The target's embedding / LM head are left out unless `include_shared` (they come from the target).

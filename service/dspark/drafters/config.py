@@ -56,7 +56,8 @@ class DraftConfig(BaseModel):
     num_target_layers: int | None = None
     block_size: int = Field(ge=1)
     gamma: int = Field(ge=1, description="Draft tokens per round.")
-    anchor_predicts: bool = True  # DSpark: anchor + gamma-1 masks -> gamma drafts; DFlash: anchor + gamma masks
+    # DSpark: anchor + gamma-1 masks -> gamma drafts; DFlash: anchor + gamma masks -> gamma drafts.
+    anchor_predicts: bool = True
     mask_token_id: int | None = None
     markov_head_type: str | None = None
     markov_rank: int = 0
@@ -78,7 +79,9 @@ class DraftConfig(BaseModel):
         archs = raw.get("architectures") or []
         arch = archs[0] if archs else ""
         nested = raw.get("dflash_config") or raw.get("eagle_config") or {}
-        layer_keys = {k: v for k, v in raw.items() if k not in ("architectures", "dflash_config", "eagle_config")}
+        layer_keys = {
+            k: v for k, v in raw.items() if k not in ("architectures", "dflash_config", "eagle_config")
+        }
         # Llama-style configs omit head_dim (Qwen3Config would default it to 128).
         layer_keys.setdefault("head_dim", raw["hidden_size"] // raw["num_attention_heads"])
         layers = Qwen3Config(**layer_keys)

@@ -67,7 +67,9 @@ class DSparkModel(nn.Module):
             self.markov_head = make_sequential_head(config.markov_head_type, d, vocab, config.markov_rank)
         self.confidence_head: ConfidenceHead | None = None
         if config.confidence_head:
-            self.confidence_head = ConfidenceHead(d, config.markov_rank if config.confidence_with_markov else 0)
+            self.confidence_head = ConfidenceHead(
+                d, config.markov_rank if config.confidence_with_markov else 0
+            )
         self.rotary = RotaryEmbedding(lc)
         attn = self.layers[0].self_attn
         self.kv_shape = (len(self.layers), 2, attn.num_kv_heads, attn.head_dim)
@@ -87,7 +89,10 @@ class DSparkModel(nn.Module):
     def block_input_ids(self, anchor: torch.Tensor) -> torch.Tensor:
         """anchor [B] -> [B, block_len]: the anchor followed by mask tokens."""
         ids = torch.full(
-            (anchor.shape[0], self.block_len), self.config.mask_token_id, dtype=torch.long, device=anchor.device
+            (anchor.shape[0], self.block_len),
+            self.config.mask_token_id,
+            dtype=torch.long,
+            device=anchor.device,
         )
         ids[:, 0] = anchor
         return ids
