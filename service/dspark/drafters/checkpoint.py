@@ -21,7 +21,6 @@ from dspark.drafters.config import DraftConfig, TargetShape
 from dspark.drafters.dspark_model import DSparkModel
 from dspark.drafters.eagle3_model import Eagle3Model
 
-SHARED_KEYS = ("embed_tokens.weight", "lm_head.weight")
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
@@ -101,10 +100,12 @@ def load_draft_model(
         model = build_model(config)
     state = read_state_dict(checkpoint_dir)
     if shared is not None:
-        state["embed_tokens.weight"], state["lm_head.weight"] = shared.embed_tokens, shared.lm_head
+        state["embed_tokens.weight"] = shared.embed_tokens
+        if "lm_head.weight" in model.shared_keys:
+            state["lm_head.weight"] = shared.lm_head
     missing = [k for k in model.state_dict() if k not in state]
     if missing:
-        hint = " (pass the target's SharedWeights)" if set(missing) & set(SHARED_KEYS) else ""
+        hint = " (pass the target's SharedWeights)" if set(missing) & set(model.shared_keys) else ""
         raise ValueError(f"checkpoint {checkpoint_dir} lacks weights {missing}{hint}")
     unexpected = [k for k in state if k not in model.state_dict()]
     if unexpected:
@@ -121,7 +122,7 @@ def save_draft_model(
 ) -> None:
     """Write config.json + model.safetensors in the layout `load_draft_model` reads.
 
-    The target's embedding / LM head are left out unless `include_shared` (they come from the target).
+    Weights shared with the target (`model.shared_keys`) are left out unless `include_shared`.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -129,6 +130,6 @@ def save_draft_model(
     tensors = {
         key: value.detach().contiguous().cpu()
         for key, value in model.state_dict().items()
-        if include_shared or key not in SHARED_KEYS
+        if include_shared or key not in model.shared_keys
     }
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})

@@ -11,7 +11,7 @@ from dspark.drafters.block_sampling import sample_block
 from dspark.drafters.calibration import Calibration
 from dspark.drafters.context_store import ContextStore
 from dspark.drafters.dspark_model import DSparkModel
-from dspark.drafters.feature_batch import check_in_sync, gather_commit
+from dspark.drafters.feature_batch import check_in_sync, gather_commit, last_token
 from dspark.engine.request import Request
 from dspark.engine.sampler import SamplingTensors
 
@@ -61,7 +61,7 @@ class DSparkDrafter(Drafter):
         ctx_len = torch.tensor(lengths, device=self.device)
         ctx_kv = self.store.read("kv", rows, max(lengths))
         ctx_mask = torch.arange(max(lengths), device=self.device)[None, :] < ctx_len[:, None]
-        anchor = torch.tensor([r.all_token_ids[-1] for r in requests], device=self.device)
+        anchor = torch.tensor([last_token(r) for r in requests], device=self.device)
         hidden = self.model.block_hidden(anchor, ctx_len, ctx_kv, ctx_mask)
         tokens, probs, conf_logits = sample_block(self.model, hidden, anchor, sampling)
         return DraftBlock(tokens, probs, self._confidences(conf_logits))

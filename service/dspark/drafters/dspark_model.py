@@ -49,6 +49,8 @@ class DSparkDecoderLayer(nn.Module):
 class DSparkModel(nn.Module):
     """Backbone + optional sequential head + optional confidence head (DFlash = no sequential head)."""
 
+    shared_keys = ("embed_tokens.weight", "lm_head.weight")  # frozen copies of the target's
+
     def __init__(self, config: DraftConfig) -> None:
         super().__init__()
         if config.kind not in ("dspark", "dflash"):

@@ -87,11 +87,15 @@ class Eagle3Drafter(Drafter):
         Returns the layer output at each request's last committed position [R, d] and the context
         keys / values [R, max_len, KVH, hd].
         """
+        # At least the last entry is run: its output seeds the first draft step.
         starts = [min(self._processed[r.request_id], n - 1) for r, n in zip(requests, lengths, strict=True)]
         span = max(n - s for s, n in zip(starts, lengths, strict=True))
         # Padding repeats each request's last entry: identical values, so duplicate writes are harmless.
         pos_lists = [[min(s + j, n - 1) for j in range(span)] for s, n in zip(starts, lengths, strict=True)]
-        next_ids = [[r.all_token_ids[p + 1] for p in ps] for r, ps in zip(requests, pos_lists, strict=True)]
+        next_ids = []
+        for request, ps in zip(requests, pos_lists, strict=True):
+            tokens = request.all_token_ids  # a fresh concatenation: take it once per request
+            next_ids.append([tokens[p + 1] for p in ps])
         pos = torch.tensor(pos_lists, device=self.device)
         fused = self.store.read_at("hidden", rows, pos)
         q, k, v = self.model.entry_qkv(torch.tensor(next_ids, device=self.device), fused, pos)
@@ -102,5 +106,5 @@ class Eagle3Drafter(Drafter):
         out = self.model.entry_output(fused, q, ctx_k, ctx_v, mask)
         last = torch.tensor([n - 1 - s for s, n in zip(starts, lengths, strict=True)], device=self.device)
         for request, n in zip(requests, lengths, strict=True):
-            self._processed[request.request_id] = n - 1  # the last entry is redone once more context arrives
+            self._processed[request.request_id] = n
         return out[torch.arange(len(requests), device=self.device), last], ctx_k, ctx_v

@@ -45,6 +45,8 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Model(nn.Module):
+    shared_keys = ("embed_tokens.weight",)  # the LM head is EAGLE-3's own (trained, maybe reduced vocab)
+
     def __init__(self, config: DraftConfig) -> None:
         super().__init__()
         if config.kind != "eagle3":

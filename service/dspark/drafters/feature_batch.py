@@ -41,18 +41,23 @@ def gather_commit(
             )
         start = store.length[request.request_id]
         store.length[request.request_id] = start + feats.shape[0]
+        store.reserve(request.request_id, start + feats.shape[0])
         chunks.append(feats)
         rows.extend([row] * feats.shape[0])
         positions.extend(range(start, start + feats.shape[0]))
     if not chunks:
         return None
-    store.reserve(max(positions) + 1)
     device = store.device
     return CommittedChunk(
         torch.cat(chunks).to(device),
         torch.tensor(rows, device=device),
         torch.tensor(positions, device=device),
     )
+
+
+def last_token(request: Request) -> int:
+    """The anchor (the generated but not yet cached token), without copying the token lists."""
+    return request.output_token_ids[-1] if request.output_token_ids else request.prompt_token_ids[-1]
 
 
 def check_in_sync(store: ContextStore, requests: Sequence[Request]) -> list[int]:
