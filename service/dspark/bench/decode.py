@@ -71,7 +71,7 @@ def run_decode_bench(
     systems = {
         "engine plain": plain,
         f"engine ngram (static:{lookup})": plain.sibling(
-            load_drafter("ngram", plain.model.config, config.gamma, plain.device, plain.dtype),
+            load_drafter("ngram", plain.model.config, gamma=config.gamma),
             build_policy(f"static:{lookup}"),
         ),
     }

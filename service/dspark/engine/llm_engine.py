@@ -12,6 +12,7 @@ import torch
 from transformers import AutoTokenizer
 
 from dspark.drafters.base import DraftBlock, Drafter
+from dspark.drafters.checkpoint import SharedWeights
 from dspark.drafters.factory import load_drafter
 from dspark.engine.config import EngineConfig, resolve_device, resolve_dtype
 from dspark.engine.kv_cache import KVCache
@@ -97,7 +98,9 @@ class LLMEngine:
         model_dir = resolve_target(config.target)
         model = load_target_model(model_dir, dtype, device)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        drafter = load_drafter(config.drafter, model.config, config.gamma, device, dtype)
+        shared = SharedWeights(model.model.embed_tokens.weight, model.lm_head.weight)
+        gamma = config.gamma if config.drafter == "ngram" else None
+        drafter = load_drafter(config.drafter, model.config, device, dtype, shared=shared, gamma=gamma)
         policy = build_policy(config.policy)
         log.info(
             "engine: %s on %s (%s), drafter %s, policy %s",
