@@ -66,10 +66,11 @@ def parse_metrics_text(text: str) -> MetricsSample:
             for s in family.samples:
                 if s.name.endswith("_bucket"):
                     sample.histograms[family.name][float(s.labels["le"])] += s.value
-        elif family.name in (DRAFTS, DRAFT_TOKENS, ACCEPTED_TOKENS):
+        elif family.name.removesuffix("_total") in (DRAFTS, DRAFT_TOKENS, ACCEPTED_TOKENS):
+            # Servers name the counter family with or without `_total`; the samples carry it.
             for s in family.samples:
                 if s.name.endswith("_total"):
-                    sample.counters[family.name] += s.value
+                    sample.counters[s.name.removesuffix("_total")] += s.value
         elif family.name in (RUNNING, WAITING):
             for s in family.samples:
                 sample.gauges[family.name] += s.value
