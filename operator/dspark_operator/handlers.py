@@ -5,7 +5,9 @@ from __future__ import annotations
 import copy
 import datetime
 import logging
+import threading
 import time
+from collections import defaultdict
 from typing import Any
 
 import kopf
@@ -38,6 +40,8 @@ def start(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> 
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="kopf.dspark.ai")
     settings.scanning.disabled = True  # the CRD is installed before the operator: no CRD/namespace watching
     settings.posting.level = logging.WARNING
+    # Timers hold kopf's finalizer; a deletion that lands mid-pass is re-checked this soon, not in 60 s.
+    settings.background.cancellation_polling = 2
     load_client_configuration()
     _State.kube = Kube.from_default_configuration()
     _State.source = metrics_source(CONFIG)
@@ -78,8 +82,20 @@ def _parse_spec(body: dict[str, Any], patch: kopf.Patch) -> ServiceSpec | None:
         return None
 
 
+_RECONCILE_LOCKS: dict[str, threading.Lock] = defaultdict(threading.Lock)
+
+
 def reconcile(body: dict[str, Any], patch: kopf.Patch, logger: logging.Logger) -> None:
-    """Level-triggered: profiles for present node types, then workloads for tiers with a ready profile."""
+    """Level-triggered: profiles for present node types, then workloads for tiers with a ready profile.
+
+    The change handlers and the timer may fire together; one pass per service at a time keeps
+    a pass from acting on what another pass is halfway through changing.
+    """
+    with _RECONCILE_LOCKS[body["metadata"]["uid"]]:
+        _reconcile(body, patch, logger)
+
+
+def _reconcile(body: dict[str, Any], patch: kopf.Patch, logger: logging.Logger) -> None:
     spec = _parse_spec(body, patch)
     if spec is None:
         kopf.warn(body, reason="InvalidSpec", message=patch.status["conditions"][0]["message"])
@@ -178,6 +194,7 @@ def autoscale_timer(
 def on_service_event(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
     """Drop the deleted service's metric series; Kubernetes' garbage collector removes its objects."""
     if event.get("type") == "DELETED":
+        _RECONCILE_LOCKS.pop(body["metadata"].get("uid", ""), None)
         tiers = [t.get("name") for t in (body.get("spec") or {}).get("tiers") or []]
         forget_service(body["metadata"]["namespace"], body["metadata"]["name"], tiers)
 

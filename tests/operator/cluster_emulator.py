@@ -1,7 +1,7 @@
 """kmock's in-memory Kubernetes, grown the few API-server duties the operator relies on.
 
 Adds what a real API server does and kmock leaves out: uid, resourceVersion, generation and
-creationTimestamp on objects, and the garbage collector's cascade along ownerReferences.
+creationTimestamp on objects, the garbage collector's cascade along ownerReferences, and 422 for a failed JSON-patch test.
 Runs in its own thread and event loop so tests and the operator talk to it over HTTP.
 """
 
@@ -14,6 +14,7 @@ import threading
 import uuid
 from typing import Any
 
+import jsonpatch
 import kmock
 import yaml
 
@@ -53,13 +54,20 @@ class ClusterEmulator(kmock.KubernetesEmulator):
                     meta["namespace"] = request.namespace
             elif request.action == kmock.action.UPDATE:
                 request.data.setdefault("metadata", {})["resourceVersion"] = version
-        owner_uid = None
-        if request.action == kmock.action.DELETE and request.name is not None:
+        # An owner is gone when its DELETE (no finalizers) or its last finalizer's removal lands;
+        # only then does the (background) garbage collector remove its dependents.
+        key, owner_uid = None, None
+        if request.action in (kmock.action.DELETE, kmock.action.UPDATE) and request.name is not None:
             key = (request.resource, request.namespace, request.name)
             if key in self.objects and not self.objects[key].deleted:
                 owner_uid = self.objects[key].raw.get("metadata", {}).get("uid")
-        response = await super()._handle(request)
-        if owner_uid is not None:
+        try:
+            response = await super()._handle(request)
+        except jsonpatch.JsonPatchException as exc:
+            # The API server answers a failed JSON-patch `test` (kopf's resourceVersion precondition)
+            # with 422, which kopf takes as "newer changes pending, retry on the next cycle".
+            raise kmock.KubernetesError(status=422, reason="Invalid", message=str(exc)) from exc
+        if owner_uid is not None and self.objects[key].deleted:
             await self._collect_garbage({owner_uid})
         elif request.action == kmock.action.CREATE and isinstance(request.data, dict):
             # An object created for an owner that is already gone is collected too (as the real GC does).

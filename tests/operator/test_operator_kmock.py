@@ -19,11 +19,10 @@ import kopf
 import kopf.testing
 import pytest
 from cluster_emulator import EmulatedCluster
-from fixtures import profile_json, service
-from prometheus_client import REGISTRY, CollectorRegistry, Gauge, Histogram, generate_latest
-
 from dspark_operator.kube import Kube, load_client_configuration
 from dspark_operator.profile import PROFILE_BEGIN, PROFILE_END
+from operator_fixtures import profile_json, service
+from prometheus_client import REGISTRY, CollectorRegistry, Gauge, Histogram, generate_latest
 
 NS = "default"
 CRS = "/apis/dspark.ai/v1alpha1/namespaces/default/dsparkservices"
@@ -216,7 +215,11 @@ def test_service_profiles_deploys_scales_and_cleans_up(cluster, operator_running
     try:
         wait_for("owned objects gone", lambda: not owned())
     except AssertionError:
-        raise AssertionError(f"still present after deleting the service: {owned()}") from None
+        try:
+            leftover = kube._call("GET", f"{CRS}/chat")["metadata"]
+        except Exception as exc:
+            leftover = repr(exc)[:200]
+        raise AssertionError(f"still present after deleting the service: {owned()}; service: {leftover}") from None
     wait_for("gauge removed", lambda: REGISTRY.get_sample_value(
         "dspark_desired_replicas", {"namespace": NS, "service": "chat", "tier": "interactive"}) is None)
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
 import pytest
-from fixtures import PROFILE
-
 from dspark_operator.profile import SpsProfile
 from dspark_operator.scaling import (
     CapacityModel,
@@ -18,6 +17,7 @@ from dspark_operator.scaling import (
     apportion_by_priority,
     decide,
 )
+from operator_fixtures import PROFILE
 
 CAPACITY = CapacityModel(SpsProfile.model_validate(PROFILE), accepted_per_step=2.0, verify_tokens_per_request=4.0)
 TARGET = TierTarget(tokens_per_second=40, ttft_p95_seconds=1.0, min_replicas=1, max_replicas=16)
@@ -128,7 +128,7 @@ def simulate(trace: list[float], noise: list[float] | None = None, start: int = 
 
 def reversals_per_window(history: list[int]) -> int:
     """The most direction reversals within any scale-down cool-down window."""
-    moves = [(i, (b > a) - (b < a)) for i, (a, b) in enumerate(zip(history, history[1:], strict=False)) if a != b]
+    moves = [(i, (b > a) - (b < a)) for i, (a, b) in enumerate(itertools.pairwise(history)) if a != b]
     flips = [i for (i, d), (_, prev) in zip(moves[1:], moves, strict=False) if d != prev]
     window = POLICY.scale_down_cooldown_seconds / INTERVAL
     return max((sum(1 for j in flips if i <= j < i + window) for i in flips), default=0)

@@ -10,8 +10,6 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
-from fixtures import PROFILE, SERVICE, profile_json, service
-
 from dspark_operator import builders
 from dspark_operator.config import OperatorConfig
 from dspark_operator.metrics import (
@@ -23,6 +21,7 @@ from dspark_operator.metrics import (
 from dspark_operator.profile import PROFILE_BEGIN, PROFILE_END, SpsProfile, extract_profile_from_log
 from dspark_operator.profiling import job_state
 from dspark_operator.spec import ServiceSpec
+from operator_fixtures import PROFILE, SERVICE, profile_json, service
 
 CRD_PATH = Path(__file__).parents[2] / "operator/dspark_operator/crds/dsparkservices.dspark.ai.yaml"
 
