@@ -87,6 +87,9 @@ class ServiceSpec(_Spec):
         names = [tier.name for tier in self.tiers]
         if len(names) != len(set(names)):
             raise ValueError(f"tier names must be unique, got {names}")
+        for tier in self.tiers:
+            if unknown := set(tier.node_types) - set(self.node_types):
+                raise ValueError(f"tier {tier.name!r}: nodeTypes {sorted(unknown)} are not in the service's nodeTypes")
         return self
 
     def tier_node_types(self, tier: TierSpec) -> tuple[str, ...]:

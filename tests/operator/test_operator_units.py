@@ -155,6 +155,9 @@ def test_spec_validation_errors_are_clear():
     dup = service(tiers=[SERVICE["spec"]["tiers"][0]] * 2)
     with pytest.raises(ValueError, match="unique"):
         ServiceSpec.model_validate(dup["spec"])
+    stray = service(tiers=[{**SERVICE["spec"]["tiers"][0], "nodeTypes": ["Tesla-T4"]}])
+    with pytest.raises(ValueError, match="Tesla-T4"):
+        ServiceSpec.model_validate(stray["spec"])
 
 
 def crd_schema() -> dict:
