@@ -1,0 +1,48 @@
+"""Start and stop the in-process Ray runtime and the Serve applications (loopback, no dashboard)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def start_ray(num_cpus: int | None = None, env_vars: dict[str, str] | None = None) -> None:
+    """A local Ray instance bound to 127.0.0.1, without the dashboard; reuses one already running."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    runtime_env = {"env_vars": env_vars} if env_vars else None
+    ray.init(
+        num_cpus=num_cpus or os.cpu_count() or 1,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=True,
+        configure_logging=False,
+        runtime_env=runtime_env,
+    )
+
+
+def run_openai_server(config: Any, engine_factory: Any = None, blocking: bool = False) -> None:
+    """Deploy the standalone OpenAI server on Ray Serve's HTTP proxy at config.host:config.port."""
+    from ray import serve
+
+    from dspark.serving.deployment import APP_NAME, openai_app
+
+    serve.start(http_options={"host": config.host, "port": config.port})
+    serve.run(openai_app(config, engine_factory), name=APP_NAME, route_prefix="/", blocking=blocking)
+
+
+def shutdown() -> None:
+    """Drain Serve (graceful shutdown of replicas) and stop Ray."""
+    import ray
+    from ray import serve
+
+    if ray.is_initialized():
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
