@@ -19,6 +19,7 @@ class DraftBlock:
     tokens: torch.Tensor  # [R, gamma] int64
     probs: torch.Tensor | None  # [R, gamma, V] distribution each token was drawn from; None = one-hot
     confidences: torch.Tensor | None = None  # [R, gamma]: P(accept k | 1..k-1 accepted), calibrated
+    num_valid: torch.Tensor | None = None  # [R]: usable draft length per request (None = gamma)
 
 
 class Drafter(ABC):

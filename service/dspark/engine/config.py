@@ -1,0 +1,58 @@
+"""Engine configuration and the choice of device and dtype."""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from dspark.models.registry import DEFAULT_MODEL
+
+
+class EngineConfig(BaseModel):
+    """Everything that selects and sizes an engine; the same fields back every CLI command."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    target: str = Field(DEFAULT_MODEL, description="Model name or HF-format directory.")
+    drafter: str = Field("ngram", description="none | ngram | a drafter checkpoint directory.")
+    policy: str = Field("static:4", description="Verify-length policy, e.g. none, static:K, full.")
+    gamma: int = Field(7, ge=1, le=32, description="Draft block size.")
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
+    max_num_seqs: int = Field(16, ge=1, le=4096, description="Requests decoded concurrently (KV slots).")
+    max_model_len: int = Field(2048, ge=16, description="Prompt + output tokens per request.")
+    max_batch_tokens: int = Field(512, ge=16, description="Token budget of one forward (chunked prefill).")
+    seed: int = 0
+
+
+def resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {spec!r} requested but CUDA is not available")
+    return device
+
+
+@cache
+def cpu_has_native_bf16() -> bool:
+    """avx512_bf16 or AMX: bf16 matmuls are native and faster than fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
+    if spec == "float32":
+        return torch.float32
+    if spec == "bfloat16":
+        return torch.bfloat16
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32

@@ -1,0 +1,339 @@
+"""The draft-verify engine: continuous batching over one ragged forward per step."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoTokenizer
+
+from dspark.drafters.base import DraftBlock, Drafter
+from dspark.drafters.factory import load_drafter
+from dspark.engine.config import EngineConfig, resolve_device, resolve_dtype
+from dspark.engine.kv_cache import KVCache
+from dspark.engine.model_runner import ModelRunner, StepForward
+from dspark.engine.outputs import RequestOutput, RequestStats, StepStats, TokenLogprob
+from dspark.engine.request import Request
+from dspark.engine.sampler import SamplingTensors, logits_to_probs, sample
+from dspark.engine.sampling_params import SamplingParams
+from dspark.engine.scheduler import Scheduler, StepPlan
+from dspark.engine.stopping import append_tokens, new_text
+from dspark.engine.verifier import verify_draft_tokens
+from dspark.models.config import head_dim
+from dspark.models.loader import load_target_model
+from dspark.models.pull import resolve_target
+from dspark.policies.base import VerifyPolicy
+from dspark.policies.factory import build_policy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Draft:
+    """This step's drafts for the decoding requests and how much of each is verified."""
+
+    block: DraftBlock
+    lengths: list[int]  # l_r per decoding request
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stats: RequestStats
+
+
+class LLMEngine:
+    """Owns the target, its KV cache, a drafter and a verify-length policy. Not thread-safe."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model,
+        tokenizer,
+        drafter: Drafter,
+        policy: VerifyPolicy,
+        device: torch.device,
+        dtype: torch.dtype,
+        model_name: str,
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.drafter = drafter
+        self.policy = policy
+        self.device = device
+        self.dtype = dtype
+        self.model_name = model_name
+        self.max_model_len = min(config.max_model_len, model.config.max_position_embeddings)
+        mc = model.config
+        self.cache = KVCache(
+            mc.num_hidden_layers, config.max_num_seqs, self.max_model_len, mc.num_key_value_heads, head_dim(mc), dtype, device
+        )
+        self.runner = ModelRunner(model, self.cache, device)
+        self.scheduler = Scheduler(self.cache, config.max_batch_tokens, 1 + drafter.gamma)
+        self.eos_ids = _eos_ids(model.config, tokenizer)
+        self.requests: dict[str, Request] = {}
+        self.last_step_stats = StepStats()
+        self._stats = StepStats()
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        model_dir = resolve_target(config.target)
+        model = load_target_model(model_dir, dtype, device)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        drafter = load_drafter(config.drafter, model.config, config.gamma, device, dtype)
+        policy = build_policy(config.policy)
+        log.info("engine: %s on %s (%s), drafter %s, policy %s", config.target, device, dtype, drafter.name, policy.name)
+        return cls(config, model, tokenizer, drafter, policy, device, dtype, config.target)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        on_output: Callable[[RequestOutput], None] | None = None,
+    ) -> str:
+        """Queue a request; raise ValueError (nothing queued) when it cannot be served."""
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the request asks "
+                f"for {len(prompt)} prompt + {params.max_tokens} output tokens"
+            )
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        request = Request(request_id, prompt, params, on_output=on_output, generator=generator)
+        request.stats.arrival_time = time.perf_counter()
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        request.finish_reason = "abort"
+        self._finish(request)
+        self._deliver(request, RequestOutput(request_id, [], "", finished=True, finish_reason="abort"))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, draft, verify in one forward, accept and stream."""
+        started = time.perf_counter()
+        self._stats = StepStats(accepted_per_position=[0] * self.drafter.gamma)
+        plan, admitted = self.scheduler.schedule()
+        for request in admitted:
+            self.drafter.admit(request)
+        if plan.empty:
+            return []
+        draft = self._draft(plan.decodes)
+        forward_start = time.perf_counter()
+        forward = self.runner.run(plan, _draft_lists(draft), self.drafter.target_layers)
+        forward_time = time.perf_counter() - forward_start
+        outputs = self._accept(plan, draft, forward)
+        self._record(plan, draft, forward_time, time.perf_counter() - started)
+        return outputs
+
+    def _draft(self, decodes: list[Request]) -> Draft:
+        t0 = time.perf_counter()
+        if not decodes or self.drafter.gamma == 0:
+            empty = torch.zeros((len(decodes), 0), dtype=torch.int64, device=self.device)
+            return Draft(DraftBlock(empty, None), [0] * len(decodes))
+        block = self.drafter.propose(decodes, self._sampling(decodes))
+        t1 = time.perf_counter()
+        lengths = self.policy.schedule(block.confidences, self.drafter.gamma, len(decodes))
+        limit = [r.remaining_tokens - 1 for r in decodes]  # the bonus token must fit in max_tokens
+        lengths = lengths.cpu()
+        if block.num_valid is not None:
+            lengths = torch.minimum(lengths, block.num_valid.cpu())
+        lengths = torch.minimum(lengths, torch.tensor(limit)).clamp_min(0).tolist()
+        self._stats.draft_time_s = t1 - t0
+        self._stats.schedule_time_s = time.perf_counter() - t1
+        return Draft(block, lengths)
+
+    def _accept(self, plan: StepPlan, draft: Draft, forward: StepForward) -> list[RequestOutput]:
+        """Verify decodes, sample first tokens of completed prompts, commit caches, emit."""
+        logits, hidden = forward.output.logits, forward.output.layer_hidden
+        offsets, outputs = forward.batch.offsets, []
+        decodes = plan.decodes
+        if decodes:
+            gamma_max = max(draft.lengths)
+            rows = torch.tensor(forward.logit_starts[: len(decodes)], device=self.device)[:, None]
+            steps = torch.arange(gamma_max + 1, device=self.device)[None, :]
+            lengths = torch.tensor(draft.lengths, device=self.device)
+            row_logits = logits[rows + torch.minimum(steps, lengths[:, None])]  # [R, G + 1, V]
+            sampling = self._sampling(decodes)
+            probs = draft.block.probs[:, :gamma_max] if draft.block.probs is not None else None
+            num_accepted, next_tokens = verify_draft_tokens(
+                draft.block.tokens[:, :gamma_max], probs, logits_to_probs(row_logits, sampling), lengths, sampling.generators
+            )
+            accepted, nexts = num_accepted.tolist(), next_tokens.tolist()
+            drafted = draft.block.tokens[:, :gamma_max].tolist()
+            for i, request in enumerate(decodes):
+                n = accepted[i]
+                new_tokens = drafted[i][:n] + [nexts[i]]
+                request.num_cached += 1 + n
+                request.stats.rounds += 1
+                request.stats.draft_tokens += draft.lengths[i]
+                request.stats.accepted_tokens += n
+                self._accept_counts(draft.lengths[i], n)
+                outputs.append(self._emit(request, new_tokens, row_logits[i, : n + 1]))
+            self.drafter.commit(decodes, _spans(hidden, offsets, [1 + n for n in accepted]))
+
+        prefills = [(r, c) for r, c in plan.prefills]
+        completed = [i for i, (r, c) in enumerate(prefills) if r.num_cached + c == len(r.prompt_token_ids)]
+        for request, chunk in prefills:
+            request.num_cached += chunk
+        self.drafter.commit(
+            [r for r, _ in prefills],
+            _spans(hidden, offsets[len(decodes) :], [c for _, c in prefills]),
+        )
+        if completed:
+            done = [prefills[i][0] for i in completed]
+            rows = torch.tensor([forward.logit_starts[len(decodes) + i] for i in completed], device=self.device)
+            sampling = self._sampling(done)
+            first = sample(logits_to_probs(logits[rows], sampling), sampling.generators).tolist()
+            for request, token, row in zip(done, first, rows.tolist(), strict=True):
+                outputs.append(self._emit(request, [token], logits[row : row + 1]))
+        return outputs
+
+    # ---- helpers --------------------------------------------------------------------------
+
+    def _sampling(self, requests: Sequence[Request]) -> SamplingTensors:
+        return SamplingTensors.from_params([r.params for r in requests], [r.generator for r in requests], self.device)
+
+    def _emit(self, request: Request, tokens: list[int], token_logits: torch.Tensor) -> RequestOutput:
+        """Append tokens (with stop checks), detokenize the delta and deliver it."""
+        now = time.perf_counter()
+        if request.stats.first_token_time is None:
+            request.stats.first_token_time = now
+        kept = append_tokens(request, tokens, self.eos_ids)
+        tokens = tokens[:kept]
+        full = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+        delta = new_text(request, full)
+        logprobs = None
+        if request.params.logprobs is not None:
+            logprobs = _logprobs(token_logits[:kept], tokens, request.params.logprobs)
+        finished = request.finish_reason is not None
+        if finished:
+            request.stats.finish_time = now
+            self._finish(request)
+        output = RequestOutput(
+            request.request_id,
+            tokens,
+            delta,
+            finished=finished,
+            finish_reason=request.finish_reason,
+            logprobs=logprobs,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            num_output_tokens=len(request.output_token_ids),
+        )
+        self._deliver(request, output)
+        return output
+
+    def _deliver(self, request: Request, output: RequestOutput) -> None:
+        if request.on_output is not None:
+            request.on_output(output)
+
+    def _finish(self, request: Request) -> None:
+        self.scheduler.finish(request)
+        self.drafter.release(request)
+        self.requests.pop(request.request_id, None)
+
+    def _accept_counts(self, verified: int, accepted: int) -> None:
+        stats = self._stats
+        if verified:
+            stats.num_drafts += 1
+        stats.num_draft_tokens += verified
+        stats.num_accepted_tokens += accepted
+        for k in range(accepted):
+            stats.accepted_per_position[k] += 1
+
+    def _record(self, plan: StepPlan, draft: Draft, forward_time: float, step_time: float) -> None:
+        stats = self._stats
+        stats.num_running, stats.num_waiting = self.num_running, self.num_waiting
+        stats.num_prefill_tokens = sum(c for _, c in plan.prefills)
+        stats.verify_batch_tokens = sum(1 + n for n in draft.lengths)
+        stats.verify_budgets = list(draft.lengths)
+        stats.forward_time_s, stats.step_time_s = forward_time, step_time
+        if not plan.prefills:  # mixed prefill steps would skew the verification-time estimate
+            self.policy.observe_step(stats.verify_batch_tokens, forward_time)
+        self.last_step_stats = stats
+
+    # ---- offline use ----------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]) -> list[GenerationResult]:
+        """Run prompts (token ids) to completion together; results in prompt order."""
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        tracked = {i: self.requests[i] for i in ids}
+        while self.has_unfinished_requests():
+            self.step()
+        return [
+            GenerationResult(i, r.text, list(r.output_token_ids), r.finish_reason, r.stats) for i, r in tracked.items()
+        ]
+
+
+def _draft_lists(draft: Draft) -> list[list[int]]:
+    if not draft.lengths or max(draft.lengths) == 0:
+        return [[] for _ in draft.lengths]
+    rows = draft.block.tokens[:, : max(draft.lengths)].tolist()
+    return [row[:n] for row, n in zip(rows, draft.lengths, strict=True)]
+
+
+def _spans(hidden: torch.Tensor | None, offsets: list[int], counts: list[int]) -> list[torch.Tensor | None]:
+    if hidden is None:
+        return [None] * len(counts)
+    return [hidden[start : start + n] for start, n in zip(offsets, counts, strict=False)]
+
+
+def _logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    alternatives = torch.topk(logp, top, dim=-1) if top else None
+    result = []
+    for i, token in enumerate(tokens):
+        alts = list(zip(alternatives.indices[i].tolist(), alternatives.values[i].tolist(), strict=True)) if top else []
+        result.append(TokenLogprob(token, chosen[i], alts))
+    return result
+
+
+def _eos_ids(config, tokenizer) -> frozenset[int]:
+    ids = config.eos_token_id
+    ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

@@ -1,0 +1,37 @@
+"""Appending generated tokens to a request: EOS, stop tokens, max tokens, stop strings."""
+
+from __future__ import annotations
+
+from dspark.engine.request import Request
+
+
+def append_tokens(request: Request, tokens: list[int], eos_ids: frozenset[int]) -> int:
+    """Append tokens until a stop condition; return how many were kept and set finish_reason."""
+    params = request.params
+    for i, token in enumerate(tokens):
+        request.output_token_ids.append(token)
+        if (token in eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            request.finish_reason = "stop"
+            return i + 1
+        if len(request.output_token_ids) >= params.max_tokens:
+            request.finish_reason = "length"
+            return i + 1
+    return len(tokens)
+
+
+def new_text(request: Request, full_text: str) -> str:
+    """The not-yet-emitted part of `full_text`, cut at a stop string (which then finishes the request).
+
+    Text that ends in an incomplete UTF-8 sequence is held back until it completes.
+    """
+    if request.finish_reason is None and full_text.endswith("\ufffd"):
+        full_text = full_text.rstrip("\ufffd")
+    if request.params.stop:
+        search_from = max(0, len(request.text) - max(len(s) for s in request.params.stop) + 1)
+        hits = [i for s in request.params.stop if (i := full_text.find(s, search_from)) >= 0]
+        if hits:
+            request.finish_reason = "stop"
+            full_text = full_text[: min(hits)]
+    delta = full_text[len(request.text) :]
+    request.text += delta
+    return delta

@@ -1,0 +1,159 @@
+"""Decoder-only transformer (Llama/SmolLM2, Qwen2, Qwen3) over a flattened ragged batch.
+
+Linear layers run on all T new tokens of the batch at once; attention runs per request on
+views of its KV slot, so cost grows with the tokens in the batch, not with padding.
+Module and parameter names follow transformers, so HF checkpoints load without renaming.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from dspark.engine.forward_batch import ForwardBatch
+from dspark.engine.kv_cache import KVCache
+from dspark.models.config import head_dim
+from dspark.models.rotary import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, as the reference implementations do."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim(config)
+        # Qwen2 always has q/k/v biases and no output bias; Llama and Qwen3 follow attention_bias.
+        attention_bias = config.model_type != "qwen2" and getattr(config, "attention_bias", False)
+        qkv_bias = config.model_type == "qwen2" or attention_bias
+        d = config.hidden_size
+        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=attention_bias)
+        self.qk_norm = config.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, cache: KVCache
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+        k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
+        k_cache[batch.token_slots, :, batch.positions] = k
+        v_cache[batch.token_slots, :, batch.positions] = v
+
+        out = torch.empty_like(q)
+        for i, slot in enumerate(batch.slots):
+            lo, hi = batch.offsets[i], batch.offsets[i + 1]
+            end = batch.starts[i] + batch.lengths[i]
+            out[lo:hi] = F.scaled_dot_product_attention(
+                q[lo:hi].transpose(0, 1)[None],
+                k_cache[slot, :, :end][None],
+                v_cache[slot, :, :end][None],
+                attn_mask=batch.masks[i],
+                enable_gqa=True,
+            )[0].transpose(0, 1)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [N, V] float32 for batch.logit_rows
+    layer_hidden: torch.Tensor | None  # [T, m * hidden]: outputs of the requested decoder layers
+    final_hidden: torch.Tensor | None  # [N, hidden]: after the final norm, for batch.logit_rows
+
+
+class _Backbone(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DecoderModel(nn.Module):
+    """The target model. `forward` writes the new tokens' K/V into their slots."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = _Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        batch: ForwardBatch,
+        cache: KVCache,
+        hidden_layers: tuple[int, ...] = (),
+        return_final_hidden: bool = False,
+    ) -> ForwardOutput:
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(batch.positions, x.dtype)
+        captured = []
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, batch, cache)
+            if i in hidden_layers:
+                captured.append(x)
+        final = self.model.norm(x[batch.logit_rows])
+        logits = self.lm_head(final).float()
+        return ForwardOutput(
+            logits=logits,
+            layer_hidden=torch.cat(captured, dim=-1) if captured else None,
+            final_hidden=final if return_final_hidden else None,
+        )
