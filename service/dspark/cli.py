@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from dspark.commands import serve
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="dspark-serve")
@@ -11,6 +13,7 @@ def main() -> None:
     """DSpark Serve: confidence-scheduled speculative decoding."""
 
 
+main.add_command(serve.serve)
 
 
 if __name__ == "__main__":

@@ -73,7 +73,7 @@ class ServeConfig(BaseModel):
     # Replicas.
     num_replicas: int = Field(1, ge=1)
     autoscaling: AutoscalingSettings | None = None
-    num_cpus_per_replica: float = Field(1.0, gt=0)
+    num_cpus_per_replica: float | None = Field(None, gt=0, description="Default: the machine's CPUs / max replicas.")
     num_gpus_per_replica: float = Field(0.0, ge=0)
 
     # Scheduler inputs.
@@ -85,6 +85,15 @@ class ServeConfig(BaseModel):
         if not v.strip():
             raise ValueError("host must not be empty")
         return v
+
+    @property
+    def max_replicas(self) -> int:
+        return self.autoscaling.max_replicas if self.autoscaling else self.num_replicas
+
+    def replica_cpus(self) -> float:
+        if self.num_cpus_per_replica is not None:
+            return self.num_cpus_per_replica
+        return float(max(1, (os.cpu_count() or 1) // self.max_replicas))
 
     def engine_overrides(self) -> dict[str, Any]:
         """The engine settings given explicitly (the rest keep EngineConfig's defaults)."""

@@ -82,7 +82,7 @@ def deployment_options(config: ServeConfig) -> dict[str, Any]:
     max_num_seqs = config.engine_config().max_num_seqs
     opts: dict[str, Any] = {
         "max_ongoing_requests": max_num_seqs + config.max_queue + _CONTROL_HEADROOM,
-        "ray_actor_options": {"num_cpus": config.num_cpus_per_replica, "num_gpus": config.num_gpus_per_replica},
+        "ray_actor_options": {"num_cpus": config.replica_cpus(), "num_gpus": config.num_gpus_per_replica},
         "graceful_shutdown_timeout_s": config.graceful_shutdown_timeout_s,
         "graceful_shutdown_wait_loop_s": 0.5,
         "health_check_period_s": 10.0,

@@ -73,6 +73,9 @@ class OpenAIService:
         self._vocab_size = len(tokenizer)
         self.created = int(time.time())
 
+    async def models(self) -> dict[str, Any]:
+        return self.models_body()
+
     def models_body(self) -> dict[str, Any]:
         return {
             "object": "list",
@@ -306,10 +309,6 @@ class _Renderer:
                 for tid, v in lp.top
             ],
         }
-
-    def _check_error(self, out: RequestOutput) -> None:
-        if out.finish_reason == "error":
-            raise APIError(500, out.error or "generation failed")
 
     def full(self, outs: list[RequestOutput]) -> JSONReply:
         last = outs[-1]
