@@ -6,7 +6,7 @@ import math
 import threading
 from collections import deque
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 from dspark.engine.outputs import StepStats
 
@@ -49,6 +49,7 @@ class ServingMetrics:
     def __init__(self, model_name: str, calibration_window: int = 2048, sps_smoothing: float = 0.1):
         self.registry = CollectorRegistry(auto_describe=True)
         r, labels = self.registry, ["model_name"]
+        ProcessCollector(registry=r)  # process_resident_memory_bytes etc. of the replica
         self._model = model_name
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:

@@ -4,18 +4,28 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 
-def start_ray(num_cpus: int | None = None, env_vars: dict[str, str] | None = None) -> None:
+def _code_path() -> str:
+    """PYTHONPATH for Ray workers: the `dspark` package this driver runs (a checkout may shadow an install)."""
+    import dspark
+
+    here = str(Path(dspark.__file__).resolve().parents[1])
+    rest = os.environ.get("PYTHONPATH")
+    return os.pathsep.join([here, rest] if rest else [here])
+
+
+def start_ray(num_cpus: int | None = None) -> None:
     """A local Ray instance bound to 127.0.0.1, without the dashboard; reuses one already running."""
     import ray
 
     if ray.is_initialized():
         return
-    runtime_env = {"env_vars": env_vars} if env_vars else None
+    runtime_env = {"env_vars": {"PYTHONPATH": _code_path()}}
     ray.init(
         num_cpus=num_cpus or os.cpu_count() or 1,
         include_dashboard=False,
