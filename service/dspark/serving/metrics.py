@@ -85,6 +85,11 @@ class ServingMetrics:
             "dspark_confidence_calibration_error",
             "|observed - predicted| accepted draft tokens / draft tokens over a recent window.",
         )
+        # Create every series up front so dashboards and scrapers see zeros rather than gaps.
+        for metric in (self.ttft, self.itl, self.e2e, self.prompt_tokens, self.generation_tokens, self.num_drafts,
+                       self.draft_tokens, self.accepted_tokens, self.tokens_per_s, self.verify_budget,
+                       self.verify_batch, self.scheduler_s):
+            metric.labels(self._model)
         for m in (self.num_running, self.num_waiting):
             m.labels(self._model).set(0)
         self.sps.labels(self._model).set(math.nan)

@@ -6,13 +6,13 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dspark.serving.auth import BearerAuth
+from dspark.serving.auth import BearerAuth, is_guarded
 from dspark.serving.errors import APIError, error_body, validation_message
 from dspark.serving.openai_schemas import ChatCompletionRequest, CompletionRequest
 from dspark.serving.openai_service import Frame, JSONReply
@@ -85,17 +85,27 @@ def build_openai_app(
     """The OpenAI routes; with `ready`/`metrics`, also /health, /ready and /metrics (never behind auth)."""
     app = FastAPI(title=title, version="1", docs_url=None, redoc_url=None)
     install_error_handlers(app)
-    guarded = [Depends(auth)]
+    if auth.enabled:
 
-    @app.post("/v1/completions", dependencies=guarded, responses={400: {}, 401: {}, 404: {}, 429: {}})
+        @app.middleware("http")
+        async def require_key(request: Request, call_next):
+            # A middleware, so that an unauthenticated caller gets 401 before any body parsing.
+            if is_guarded(request.url.path):
+                try:
+                    auth.check(request.headers.get("authorization", ""))
+                except APIError as e:
+                    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+            return await call_next(request)
+
+    @app.post("/v1/completions", responses={400: {}, 401: {}, 404: {}, 429: {}})
     async def completions(body: CompletionRequest) -> Response:
         return await to_response(backend.completion(body))
 
-    @app.post("/v1/chat/completions", dependencies=guarded, responses={400: {}, 401: {}, 404: {}, 429: {}})
+    @app.post("/v1/chat/completions", responses={400: {}, 401: {}, 404: {}, 429: {}})
     async def chat_completions(body: ChatCompletionRequest) -> Response:
         return await to_response(backend.chat(body))
 
-    @app.get("/v1/models", dependencies=guarded)
+    @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return await backend.models()
 
