@@ -28,9 +28,10 @@ def prepare_model(config: ServeConfig) -> None:
 def serve_forever(config: ServeConfig, announce=print) -> None:
     """Run the configured front end in the foreground; SIGINT/SIGTERM drain in-flight requests and stop."""
     prepare_model(config)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
     cpus = max(os.cpu_count() or 1, math.ceil(config.replica_cpus() * config.max_replicas))
     start_ray(num_cpus=cpus)
+    # After ray.init: Ray's core worker installs a SIGTERM handler that kills the driver on the spot.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         if config.kserve:
             from dspark.serving.kserve_model import build_kserve_server, deploy_engine_backend
@@ -46,4 +47,8 @@ def serve_forever(config: ServeConfig, announce=print) -> None:
     except KeyboardInterrupt:
         announce("shutting down: draining in-flight requests")
     finally:
+        # Ray re-delivers pending signals while it waits; the drain must not be cut short by them.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
         shutdown()
+        announce("stopped")

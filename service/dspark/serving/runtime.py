@@ -47,12 +47,22 @@ def run_openai_server(config: Any, engine_factory: Any = None, blocking: bool = 
 
 
 def shutdown() -> None:
-    """Drain Serve (graceful shutdown of replicas) and stop Ray."""
+    """Drain, then stop Serve and Ray.
+
+    Deleting the application first lets each replica finish its in-flight requests (up to
+    graceful_shutdown_timeout_s) while the HTTP proxy is still there to carry their responses;
+    `serve.shutdown()` alone would stop the proxy under them.
+    """
     import ray
     from ray import serve
 
-    if ray.is_initialized():
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
+    from dspark.serving.deployment import APP_NAME
+
+    if not ray.is_initialized():
+        return
+    try:
+        if APP_NAME in serve.status().applications:
+            serve.delete(APP_NAME, _blocking=True)
+        serve.shutdown()
+    finally:
+        ray.shutdown()
