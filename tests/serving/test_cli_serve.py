@@ -23,9 +23,9 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def documented_curl(port: int) -> list[str]:
-    """The first curl request in docs/serving.md, aimed at this test's port."""
-    text = (ROOT / "docs" / "serving.md").read_text()
+def documented_curl(doc: str, port: int) -> list[str]:
+    """The first curl request in a document, aimed at this test's port."""
+    text = (ROOT / doc).read_text()
     block = next(b for b in re.findall(r"```bash\n(.*?)```", text, re.S) if b.lstrip().startswith("curl"))
     return shlex.split(block.replace("\\\n", " ").replace("localhost:8000", f"127.0.0.1:{port}"))
 
@@ -57,12 +57,19 @@ def served():
             proc.wait(30)
 
 
-def test_documented_curl_returns_generated_text(served):
+@pytest.mark.parametrize("doc", ["README.md", "docs/serving.md"])
+def test_documented_curl_returns_generated_text(served, doc):
     _, port = served
-    out = subprocess.run(documented_curl(port), capture_output=True, text=True, timeout=120, check=True).stdout
+    out = subprocess.run(documented_curl(doc, port), capture_output=True, text=True, timeout=120, check=True).stdout
     reply = json.loads(out)
     assert reply["choices"][0]["message"]["content"].strip()
     assert reply["usage"]["completion_tokens"] > 0
+
+
+def test_readme_starts_with_the_serve_command():
+    first_block = re.search(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    assert first_block.split()[:2] == ["make", "serve"]
+    assert "dspark serve" in (ROOT / "Makefile").read_text()
 
 
 def test_sigterm_drains_in_flight_stream_and_leaves_nothing_running(served):
