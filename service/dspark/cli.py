@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from dspark.commands import serve
+from dspark.commands import bench, generate, models, serve
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -13,6 +13,9 @@ def main() -> None:
     """DSpark Serve: confidence-scheduled speculative decoding."""
 
 
+main.add_command(models.models)
+main.add_command(generate.generate)
+main.add_command(bench.bench)
 main.add_command(serve.serve)
 
 

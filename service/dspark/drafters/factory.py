@@ -1,21 +1,47 @@
-"""Build a drafter from its command-line spelling."""
+"""`load_drafter`: build an engine drafter from its command-line spelling."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import torch
-from transformers import PretrainedConfig
 
 from dspark.drafters.base import Drafter
-from dspark.drafters.ngram import NgramDrafter, NoDrafter
+from dspark.drafters.checkpoint import SharedWeights
 
-DRAFTER_HELP = "none | ngram | a drafter checkpoint directory"
+DRAFTER_HELP = "none | ngram | a drafter checkpoint directory (DSpark, DFlash or EAGLE-3)"
 
 
 def load_drafter(
-    spec: str, target_config: PretrainedConfig, gamma: int, device: torch.device, dtype: torch.dtype
+    spec: str,
+    target_config: Any,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    *,
+    shared: SharedWeights | None = None,
+    gamma: int | None = None,
 ) -> Drafter:
+    """A drafter for `spec`. Checkpoints (told apart by their config.json) are checked against
+    `target_config` and keep their own block size unless `gamma` overrides it; `shared` passes the target's embedding and
+    LM head (required when the checkpoint omits them, and shared instead of copied)."""
+    from dspark.drafters.ngram import NgramDrafter, NoDrafter
+
     if spec == "none":
         return NoDrafter()
     if spec == "ngram":
-        return NgramDrafter(gamma, device=device)
-    raise ValueError(f"unknown drafter {spec!r}; expected one of: {DRAFTER_HELP}")
+        return NgramDrafter(gamma or 7, device=device)
+    path = Path(spec).expanduser()
+    if not (path / "config.json").is_file():
+        raise ValueError(f"unknown drafter {spec!r}; expected one of: {DRAFTER_HELP}")
+
+    from dspark.drafters.calibration import Calibration
+    from dspark.drafters.checkpoint import load_draft_model
+    from dspark.drafters.dspark_drafter import DSparkDrafter
+    from dspark.drafters.dspark_model import DSparkModel
+    from dspark.drafters.eagle3_drafter import Eagle3Drafter
+
+    model = load_draft_model(path, target=target_config, shared=shared, device=device, dtype=dtype, gamma=gamma)
+    if isinstance(model, DSparkModel):
+        return DSparkDrafter(model, Calibration.find(path, model.config.gamma))
+    return Eagle3Drafter(model)

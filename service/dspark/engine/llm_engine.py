@@ -12,6 +12,7 @@ import torch
 from transformers import AutoTokenizer
 
 from dspark.drafters.base import DraftBlock, Drafter
+from dspark.drafters.checkpoint import SharedWeights
 from dspark.drafters.factory import load_drafter
 from dspark.engine.config import EngineConfig, resolve_device, resolve_dtype
 from dspark.engine.kv_cache import KVCache
@@ -74,7 +75,13 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len, model.config.max_position_embeddings)
         mc = model.config
         self.cache = KVCache(
-            mc.num_hidden_layers, config.max_num_seqs, self.max_model_len, mc.num_key_value_heads, head_dim(mc), dtype, device
+            mc.num_hidden_layers,
+            config.max_num_seqs,
+            self.max_model_len,
+            mc.num_key_value_heads,
+            head_dim(mc),
+            dtype,
+            device,
         )
         self.runner = ModelRunner(model, self.cache, device)
         self.scheduler = Scheduler(self.cache, config.max_batch_tokens, 1 + drafter.gamma)
@@ -91,10 +98,28 @@ class LLMEngine:
         model_dir = resolve_target(config.target)
         model = load_target_model(model_dir, dtype, device)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        drafter = load_drafter(config.drafter, model.config, config.gamma, device, dtype)
+        shared = SharedWeights(model.model.embed_tokens.weight, model.lm_head.weight)
+        gamma = config.gamma if config.drafter == "ngram" else None
+        drafter = load_drafter(config.drafter, model.config, device, dtype, shared=shared, gamma=gamma)
         policy = build_policy(config.policy)
-        log.info("engine: %s on %s (%s), drafter %s, policy %s", config.target, device, dtype, drafter.name, policy.name)
+        log.info(
+            "engine: %s on %s (%s), drafter %s, policy %s",
+            config.target,
+            device,
+            dtype,
+            drafter.name,
+            policy.name,
+        )
         return cls(config, model, tokenizer, drafter, policy, device, dtype, config.target)
+
+    def sibling(self, drafter: Drafter, policy: VerifyPolicy, **config_updates) -> LLMEngine:
+        """Another engine over the same loaded weights (own KV cache), e.g. to compare drafters."""
+        config = self.config.model_copy(
+            update={"drafter": drafter.name, "policy": policy.name, **config_updates}
+        )
+        return LLMEngine(
+            config, self.model, self.tokenizer, drafter, policy, self.device, self.dtype, self.model_name
+        )
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -198,7 +223,11 @@ class LLMEngine:
             sampling = self._sampling(decodes)
             probs = draft.block.probs[:, :gamma_max] if draft.block.probs is not None else None
             num_accepted, next_tokens = verify_draft_tokens(
-                draft.block.tokens[:, :gamma_max], probs, logits_to_probs(row_logits, sampling), lengths, sampling.generators
+                draft.block.tokens[:, :gamma_max],
+                probs,
+                logits_to_probs(row_logits, sampling),
+                lengths,
+                sampling.generators,
             )
             accepted, nexts = num_accepted.tolist(), next_tokens.tolist()
             drafted = draft.block.tokens[:, :gamma_max].tolist()
@@ -223,7 +252,9 @@ class LLMEngine:
         )
         if completed:
             done = [prefills[i][0] for i in completed]
-            rows = torch.tensor([forward.logit_starts[len(decodes) + i] for i in completed], device=self.device)
+            rows = torch.tensor(
+                [forward.logit_starts[len(decodes) + i] for i in completed], device=self.device
+            )
             sampling = self._sampling(done)
             first = sample(logits_to_probs(logits[rows], sampling), sampling.generators).tolist()
             for request, token, row in zip(done, first, rows.tolist(), strict=True):
@@ -233,7 +264,9 @@ class LLMEngine:
     # ---- helpers --------------------------------------------------------------------------
 
     def _sampling(self, requests: Sequence[Request]) -> SamplingTensors:
-        return SamplingTensors.from_params([r.params for r in requests], [r.generator for r in requests], self.device)
+        return SamplingTensors.from_params(
+            [r.params for r in requests], [r.generator for r in requests], self.device
+        )
 
     def _emit(self, request: Request, tokens: list[int], token_logits: torch.Tensor) -> RequestOutput:
         """Append tokens (with stop checks), detokenize the delta and deliver it."""
@@ -242,8 +275,11 @@ class LLMEngine:
             request.stats.first_token_time = now
         kept = append_tokens(request, tokens, self.eos_ids)
         tokens = tokens[:kept]
-        full = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
-        delta = new_text(request, full)
+        delta = ""
+        if self.tokenizer is not None:  # engines built for statistics tests run without one
+            delta = new_text(
+                request, self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+            )
         logprobs = None
         if request.params.logprobs is not None:
             logprobs = _logprobs(token_logits[:kept], tokens, request.params.logprobs)
@@ -295,7 +331,9 @@ class LLMEngine:
 
     # ---- offline use ----------------------------------------------------------------------
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]) -> list[GenerationResult]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[GenerationResult]:
         """Run prompts (token ids) to completion together; results in prompt order."""
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
@@ -303,7 +341,8 @@ class LLMEngine:
         while self.has_unfinished_requests():
             self.step()
         return [
-            GenerationResult(i, r.text, list(r.output_token_ids), r.finish_reason, r.stats) for i, r in tracked.items()
+            GenerationResult(i, r.text, list(r.output_token_ids), r.finish_reason, r.stats)
+            for i, r in tracked.items()
         ]
 
 
@@ -326,7 +365,11 @@ def _logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLo
     alternatives = torch.topk(logp, top, dim=-1) if top else None
     result = []
     for i, token in enumerate(tokens):
-        alts = list(zip(alternatives.indices[i].tolist(), alternatives.values[i].tolist(), strict=True)) if top else []
+        alts = (
+            list(zip(alternatives.indices[i].tolist(), alternatives.values[i].tolist(), strict=True))
+            if top
+            else []
+        )
         result.append(TokenLogprob(token, chosen[i], alts))
     return result
 
@@ -334,6 +377,6 @@ def _logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLo
 def _eos_ids(config, tokenizer) -> frozenset[int]:
     ids = config.eos_token_id
     ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
-    if tokenizer.eos_token_id is not None:
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return frozenset(ids)

@@ -27,7 +27,9 @@ class ModelRunner:
         self.cache = cache
         self.device = device
 
-    def run(self, plan: StepPlan, draft_tokens: list[list[int]], hidden_layers: tuple[int, ...]) -> StepForward:
+    def run(
+        self, plan: StepPlan, draft_tokens: list[list[int]], hidden_layers: tuple[int, ...]
+    ) -> StepForward:
         """Decodes feed [anchor] + their verified draft tokens; prefills feed their prompt chunk.
 
         Decode rows get logits at every input (verification); a prefill chunk only at its last

@@ -100,8 +100,10 @@ def random_rows(
 ) -> torch.Tensor:
     """Random tensor [R, ...]: rows with a generator draw from it, the rest from the global RNG."""
     out = torch.empty(tuple(shape), dtype=torch.float32, device=device)
-    draw = (lambda t, g=None: t.exponential_(generator=g)) if kind == "exponential" else (
-        lambda t, g=None: t.uniform_(generator=g)
+    draw = (
+        (lambda t, g=None: t.exponential_(generator=g))
+        if kind == "exponential"
+        else (lambda t, g=None: t.uniform_(generator=g))
     )
     draw(out)
     for i, g in enumerate(generators):

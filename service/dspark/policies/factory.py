@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import math
+
 from dspark.policies.base import VerifyPolicy
+from dspark.policies.dspark import DSparkAsyncPolicy, DSparkPolicy
 from dspark.policies.static import StaticPolicy
+from dspark.policies.threshold import ThresholdPolicy
+from dspark.profiling.online import OnlineSps
+from dspark.profiling.sps_profile import SpsProfile
 
-POLICY_HELP = "none | static:K | full"
+POLICY_HELP = "none | static:K | full | threshold:X (0<X<1) | dspark | dspark-async"
 
 
-def build_policy(spec: str) -> VerifyPolicy:
-    name, _, arg = spec.partition(":")
+def build_policy(spec: str, sps: SpsProfile | OnlineSps | None = None) -> VerifyPolicy:
+    """`sps` is the engine's step-rate profile; required by `dspark` and `dspark-async`, which
+    wrap a plain profile in `OnlineSps` so the engine's step timings refine it."""
+    name, _, arg = spec.strip().partition(":")
     if name == "none" and not arg:
         return StaticPolicy(0)
     if name == "full" and not arg:
@@ -19,4 +27,19 @@ def build_policy(spec: str) -> VerifyPolicy:
             return StaticPolicy(int(arg))
         except ValueError:
             raise ValueError(f"policy 'static:K' needs an integer K >= 0, got {spec!r}") from None
+    if name == "threshold":
+        try:
+            x = float(arg)
+        except ValueError:
+            raise ValueError(f"policy 'threshold:X' needs a number 0 < X < 1, got {spec!r}") from None
+        if not (math.isfinite(x) and 0 < x < 1):
+            raise ValueError(f"policy 'threshold:X' needs a number 0 < X < 1, got {spec!r}")
+        return ThresholdPolicy(x)
+    if name in ("dspark", "dspark-async") and not arg:
+        if sps is None:
+            raise ValueError(
+                f"policy {name!r} needs an SPS profile of this engine (steps per second against batch "
+                "tokens); profile the engine first or choose a policy that needs none"
+            )
+        return DSparkPolicy(sps) if name == "dspark" else DSparkAsyncPolicy(sps)
     raise ValueError(f"unknown verify policy {spec!r}; expected one of: {POLICY_HELP}")

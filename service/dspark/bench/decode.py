@@ -1,0 +1,149 @@
+"""`dspark bench decode`: this engine (plain, n-gram) vs. HF transformers generate() on the same prompts."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from dspark.drafters.factory import load_drafter
+from dspark.engine.config import EngineConfig
+from dspark.engine.llm_engine import LLMEngine
+from dspark.engine.sampling_params import SamplingParams
+from dspark.policies.factory import build_policy
+
+
+@dataclass
+class Measurement:
+    system: str
+    domain: str
+    tokens: int
+    seconds: float
+    tau: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds
+
+
+def time_engine(engine: LLMEngine, prompt_ids: list[int], max_tokens: int) -> tuple[int, float, float]:
+    start = time.perf_counter()
+    result = engine.generate([prompt_ids], SamplingParams(max_tokens=max_tokens, temperature=0.0))[0]
+    return len(result.token_ids), time.perf_counter() - start, result.stats.tau
+
+
+def time_hf(model, prompt_ids: list[int], max_tokens: int, eos_ids, lookup: int | None) -> tuple[int, float]:
+    ids = torch.tensor([prompt_ids], device=model.device)
+    kwargs = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=list(eos_ids),
+            pad_token_id=next(iter(eos_ids)),
+            **kwargs,
+        )
+    return out.shape[1] - ids.shape[1], time.perf_counter() - start
+
+
+def run_decode_bench(
+    config: EngineConfig,
+    prompts: dict[str, list[str]],
+    max_tokens: int,
+    lookup: int,
+    include_hf: bool = True,
+    progress=None,
+) -> list[Measurement]:
+    """Every system on every prompt at batch 1, greedy, interleaved per prompt so drift hits all alike."""
+    from transformers import AutoModelForCausalLM
+
+    from dspark.commands.generate import encode_prompt
+    from dspark.models.pull import resolve_target
+
+    plain = LLMEngine.from_config(config.model_copy(update={"drafter": "none", "policy": "none"}))
+    systems = {
+        "engine plain": plain,
+        f"engine ngram (static:{lookup})": plain.sibling(
+            load_drafter("ngram", plain.model.config, gamma=config.gamma),
+            build_policy(f"static:{lookup}"),
+        ),
+    }
+    hf = None
+    if include_hf:
+        hf = (
+            AutoModelForCausalLM.from_pretrained(resolve_target(config.target), dtype=plain.dtype)
+            .to(plain.device)
+            .eval()
+        )
+    warm = encode_prompt(plain.tokenizer, "Hello")
+    for engine in systems.values():
+        time_engine(engine, warm, 8)
+    if hf is not None:
+        time_hf(hf, warm, 8, plain.eos_ids, None)
+
+    results: list[Measurement] = []
+    for domain, texts in prompts.items():
+        for text in texts:
+            ids = encode_prompt(plain.tokenizer, text)
+            for name, engine in systems.items():
+                n, s, tau = time_engine(engine, ids, max_tokens)
+                results.append(Measurement(name, domain, n, s, tau))
+            if hf is not None:
+                for name, k in (("HF generate plain", None), (f"HF generate prompt-lookup {lookup}", lookup)):
+                    n, s = time_hf(hf, ids, max_tokens, plain.eos_ids, k)
+                    results.append(Measurement(name, domain, n, s, 1.0))
+            if progress:
+                progress(1)
+    return results
+
+
+def summarize(results: list[Measurement]) -> list[dict]:
+    """Per system and domain: median tokens/s over prompts, and the ratio to HF plain (or engine plain)."""
+    rows = []
+    domains = sorted({m.domain for m in results})
+    systems = list(dict.fromkeys(m.system for m in results))
+    for domain in [*domains, "all"]:
+        picked = [m for m in results if domain in ("all", m.domain)]
+        median = {s: statistics.median(m.tokens_per_second for m in picked if m.system == s) for s in systems}
+        base = median.get("HF generate plain", median["engine plain"])
+        for s in systems:
+            taus = [m.tau for m in picked if m.system == s]
+            rows.append(
+                {
+                    "domain": domain,
+                    "system": s,
+                    "median_tokens_per_s": round(median[s], 2),
+                    "vs_hf_plain": round(median[s] / base, 3),
+                    "vs_engine_plain": round(median[s] / median["engine plain"], 3),
+                    "median_tau": round(statistics.median(taus), 3),
+                }
+            )
+    return rows
+
+
+def write_report(results: list[Measurement], rows: list[dict], meta: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "meta": meta,
+        "summary": rows,
+        "runs": [asdict(m) | {"tokens_per_s": m.tokens_per_second} for m in results],
+    }
+    path.write_text(json.dumps(payload, indent=2))
+
+
+def format_table(rows: list[dict]) -> str:
+    header = f"{'domain':6s} {'system':32s} {'tok/s (median)':>14s} {'vs HF plain':>11s} {'vs engine plain':>15s} {'tau':>5s}"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(
+            f"{r['domain']:6s} {r['system']:32s} {r['median_tokens_per_s']:14.1f} {r['vs_hf_plain']:11.2f} "
+            f"{r['vs_engine_plain']:15.2f} {r['median_tau']:5.2f}"
+        )
+    return "\n".join(lines)

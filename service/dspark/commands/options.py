@@ -1,0 +1,75 @@
+"""Engine-selection flags shared by every command that runs the engine."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import click
+
+from dspark.drafters.factory import DRAFTER_HELP
+from dspark.engine.config import EngineConfig
+from dspark.policies.factory import POLICY_HELP
+
+_DEFAULTS = EngineConfig()
+
+
+def engine_options(command: Callable) -> Callable:
+    """Add --target/--drafter/--policy/--dtype/--device and sizing flags; pass `engine_config`."""
+    options = [
+        click.option(
+            "--target", default=_DEFAULTS.target, show_default=True, help="Model name or HF-format directory."
+        ),
+        click.option("--drafter", default=_DEFAULTS.drafter, show_default=True, help=DRAFTER_HELP),
+        click.option(
+            "--policy",
+            default=_DEFAULTS.policy,
+            show_default=True,
+            help=f"Verify-length policy: {POLICY_HELP}",
+        ),
+        click.option(
+            "--gamma", type=int, default=_DEFAULTS.gamma, show_default=True, help="Draft block size."
+        ),
+        click.option(
+            "--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True
+        ),
+        click.option("--device", default="auto", show_default=True, help="auto | cpu | cuda | cuda:N"),
+        click.option("--max-num-seqs", type=int, default=_DEFAULTS.max_num_seqs, show_default=True),
+        click.option("--max-model-len", type=int, default=_DEFAULTS.max_model_len, show_default=True),
+        click.option("--max-batch-tokens", type=int, default=_DEFAULTS.max_batch_tokens, show_default=True),
+    ]
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        fields = (
+            "target",
+            "drafter",
+            "policy",
+            "gamma",
+            "dtype",
+            "device",
+            "max_num_seqs",
+            "max_model_len",
+            "max_batch_tokens",
+        )
+        values = {f: kwargs.pop(f) for f in fields}
+        try:
+            kwargs["engine_config"] = EngineConfig(**values)
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from e
+        return command(*args, **kwargs)
+
+    for option in reversed(options):
+        wrapper = option(wrapper)
+    return wrapper
+
+
+def build_engine(config: EngineConfig):
+    """Build an engine, turning configuration and model errors into clean CLI errors."""
+    from dspark.engine.llm_engine import LLMEngine
+    from dspark.models.pull import ModelError
+
+    try:
+        return LLMEngine.from_config(config)
+    except (ModelError, ValueError) as e:
+        raise click.ClickException(str(e)) from e

@@ -1,0 +1,75 @@
+"""Engine adapter for DSpark (and DFlash, the same backbone without a sequential head)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from dspark.drafters.base import DraftBlock, Drafter
+from dspark.drafters.block_sampling import sample_block
+from dspark.drafters.calibration import Calibration
+from dspark.drafters.context_store import ContextStore
+from dspark.drafters.dspark_model import DSparkModel
+from dspark.drafters.feature_batch import check_in_sync, gather_commit, last_token
+from dspark.engine.request import Request
+from dspark.engine.sampler import SamplingTensors
+
+
+class DSparkDrafter(Drafter):
+    """Keeps each request's context K/V (one entry per committed token and draft layer) and drafts
+    every request's block in one batched backbone pass."""
+
+    def __init__(self, model: DSparkModel, calibration: Calibration | None = None) -> None:
+        self.model = model
+        config = model.config
+        self.name = config.kind
+        self.gamma = config.gamma
+        self.target_layers = tuple(config.target_layer_ids)
+        self._feature_size = len(self.target_layers) * config.target_hidden_size
+        weight = model.fc.weight
+        self.device = weight.device
+        self.store = ContextStore({"kv": model.kv_shape}, weight.device, weight.dtype)
+        self._temperatures = None
+        if calibration is not None:
+            if len(calibration.temperatures) != self.gamma:
+                raise ValueError(
+                    f"calibration has {len(calibration.temperatures)} temperatures, gamma is {self.gamma}"
+                )
+            self._temperatures = torch.tensor(
+                calibration.temperatures, dtype=torch.float32, device=self.device
+            )
+
+    def admit(self, request: Request) -> None:
+        self.store.admit(request.request_id)
+
+    def release(self, request: Request) -> None:
+        self.store.release(request.request_id)
+
+    @torch.inference_mode()
+    def commit(self, requests: Sequence[Request], features: Sequence[torch.Tensor | None]) -> None:
+        chunk = gather_commit(self.store, requests, features, self._feature_size)
+        if chunk is not None:
+            self.store.write(
+                "kv", chunk.rows, chunk.positions, self.model.context_kv(chunk.features, chunk.positions)
+            )
+
+    @torch.inference_mode()
+    def propose(self, requests: Sequence[Request], sampling: SamplingTensors) -> DraftBlock:
+        lengths = check_in_sync(self.store, requests)
+        rows = torch.tensor(self.store.rows([r.request_id for r in requests]), device=self.device)
+        ctx_len = torch.tensor(lengths, device=self.device)
+        ctx_kv = self.store.read("kv", rows, max(lengths))
+        ctx_mask = torch.arange(max(lengths), device=self.device)[None, :] < ctx_len[:, None]
+        anchor = torch.tensor([last_token(r) for r in requests], device=self.device)
+        hidden = self.model.block_hidden(anchor, ctx_len, ctx_kv, ctx_mask)
+        tokens, probs, conf_logits = sample_block(self.model, hidden, anchor, sampling)
+        return DraftBlock(tokens, probs, self._confidences(conf_logits))
+
+    def _confidences(self, logits: torch.Tensor | None) -> torch.Tensor | None:
+        if logits is None:
+            return None
+        logits = logits.float()
+        if self._temperatures is not None:
+            logits = logits / self._temperatures
+        return torch.sigmoid(logits)

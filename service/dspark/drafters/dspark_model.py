@@ -1,0 +1,137 @@
+"""The DSpark / DFlash drafter network: a parallel backbone with KV injection plus DSpark's heads.
+
+Context: the target's features of the chosen layers are fused, H_ctx = hidden_norm(fc(concat)),
+and every draft layer projects them with its own k_proj / v_proj (+ k_norm, rotary at the
+token's position). The block (anchor then mask tokens, positions P..) attends bidirectionally to
+itself and to the context of all earlier positions. Module names follow DeepSpec's
+`Qwen3DSparkModel` checkpoint keys, so its state dicts load without renaming.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dspark.drafters.config import DraftConfig
+from dspark.drafters.draft_attention import DraftAttention
+from dspark.drafters.heads import ConfidenceHead, SequentialHead, make_sequential_head
+from dspark.drafters.layers import Qwen3RMSNorm, RotaryEmbedding, make_mlp
+
+
+class DSparkDecoderLayer(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.self_attn = DraftAttention(config)
+        self.mlp = make_mlp(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx_k: torch.Tensor,
+        ctx_v: torch.Tensor,
+        ctx_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """x [B, Q, d]; ctx_k/ctx_v [B, C, KVH, hd] (already rotated); ctx_mask [B, C] True = real."""
+        h = self.input_layernorm(x)
+        q = self.self_attn.query(h, cos, sin)
+        k, v = self.self_attn.key_value(h, cos, sin)
+        k, v = torch.cat([ctx_k, k], dim=1), torch.cat([ctx_v, v], dim=1)
+        block_mask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
+        mask = torch.cat([ctx_mask, block_mask], dim=1)[:, None, :]
+        x = x + self.self_attn.attend(q, k, v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DSparkModel(nn.Module):
+    """Backbone + optional sequential head + optional confidence head (DFlash = no sequential head)."""
+
+    shared_keys = ("embed_tokens.weight", "lm_head.weight")  # frozen copies of the target's
+
+    def __init__(self, config: DraftConfig) -> None:
+        super().__init__()
+        if config.kind not in ("dspark", "dflash"):
+            raise ValueError(f"DSparkModel cannot build a {config.kind} drafter")
+        self.config = config
+        lc = config.layers
+        d, vocab = config.hidden_size, config.vocab_size
+        self.embed_tokens = nn.Embedding(vocab, d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.fc = nn.Linear(len(config.target_layer_ids) * config.target_hidden_size, d, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(d, eps=lc.rms_norm_eps)
+        self.layers = nn.ModuleList(DSparkDecoderLayer(lc) for _ in range(lc.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(d, eps=lc.rms_norm_eps)
+        self.markov_head: SequentialHead | None = None
+        if config.markov_head_type is not None:
+            self.markov_head = make_sequential_head(config.markov_head_type, d, vocab, config.markov_rank)
+        self.confidence_head: ConfidenceHead | None = None
+        if config.confidence_head:
+            self.confidence_head = ConfidenceHead(
+                d, config.markov_rank if config.confidence_with_markov else 0
+            )
+        self.rotary = RotaryEmbedding(lc)
+        attn = self.layers[0].self_attn
+        self.kv_shape = (len(self.layers), 2, attn.num_kv_heads, attn.head_dim)
+
+    @property
+    def block_len(self) -> int:
+        """Input tokens per block: DSpark's anchor predicts too; DFlash's anchor only conditions."""
+        return self.config.gamma if self.config.anchor_predicts else self.config.gamma + 1
+
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Target features [..., N, m*hidden] at positions [..., N] -> per-layer K/V [..., N, L, 2, KVH, hd]."""
+        h = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        cos, sin = self.rotary(positions, h.dtype)
+        per_layer = [torch.stack(layer.self_attn.key_value(h, cos, sin), dim=-3) for layer in self.layers]
+        return torch.stack(per_layer, dim=-4)
+
+    def block_input_ids(self, anchor: torch.Tensor) -> torch.Tensor:
+        """anchor [B] -> [B, block_len]: the anchor followed by mask tokens."""
+        ids = torch.full(
+            (anchor.shape[0], self.block_len),
+            self.config.mask_token_id,
+            dtype=torch.long,
+            device=anchor.device,
+        )
+        ids[:, 0] = anchor
+        return ids
+
+    def block_hidden(
+        self, anchor: torch.Tensor, anchor_pos: torch.Tensor, ctx_kv: torch.Tensor, ctx_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Hidden states [B, gamma, d] (after the final norm) of the predicting block positions.
+
+        anchor, anchor_pos [B]; ctx_kv [B, C, L, 2, KVH, hd] from `context_kv`; ctx_mask [B, C].
+        """
+        x = self.embed_tokens(self.block_input_ids(anchor))
+        pos = anchor_pos[:, None] + torch.arange(self.block_len, device=anchor.device)
+        cos, sin = self.rotary(pos, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, ctx_kv[:, :, i, 0], ctx_kv[:, :, i, 1], ctx_mask)
+        x = self.norm(x)
+        return x if self.config.anchor_predicts else x[:, 1:]
+
+    def forward(self, features: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        """Reference single-shot pass: features [B, P, m*hidden] of positions 0..P-1, anchor [B] at P."""
+        batch, ctx_len = features.shape[:2]
+        pos = torch.arange(ctx_len, device=features.device).expand(batch, ctx_len)
+        ctx_kv = self.context_kv(features, pos)
+        mask = torch.ones(batch, ctx_len, dtype=torch.bool, device=features.device)
+        return self.block_hidden(anchor, torch.full_like(anchor, ctx_len), ctx_kv, mask)
+
+    def teacher_forced(
+        self, hidden: torch.Tensor, anchor: torch.Tensor, tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft logits [B, G, V] (base + sequential bias) and confidence logits [B, G] for a known block
+        `tokens` [B, G]; position k conditions on tokens[k-1] (the anchor for k = 1)."""
+        logits = self.lm_head(hidden)
+        prev = torch.cat([anchor[:, None], tokens[:, :-1]], dim=1)
+        emb = None
+        if self.markov_head is not None:
+            bias, emb = self.markov_head.teacher_forced(hidden, prev)
+            logits = logits + bias
+        conf = self.confidence_head(hidden, emb) if self.confidence_head is not None else None
+        return logits, conf

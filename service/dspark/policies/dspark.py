@@ -1,0 +1,84 @@
+"""DSpark's hardware-aware verify-length policies (paper section 3.2.2 and 5.2)."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from dspark.policies.confidence import ConfidencePolicy
+from dspark.policies.prefix_scheduler import schedule_global_argmax, schedule_prefix_greedy, topk_survival
+from dspark.profiling.online import OnlineSps
+from dspark.profiling.sps_profile import SpsCurve, SpsProfile, table_lookup
+
+
+def as_sps_curve(sps: SpsProfile | OnlineSps | SpsCurve, refine: bool = True) -> SpsCurve:
+    """A profile becomes an `OnlineSps` (so measured step times refine it) unless refine=False."""
+    if isinstance(sps, SpsProfile) and refine:
+        return OnlineSps(sps)
+    if not hasattr(sps, "sps"):
+        raise TypeError(f"expected an SPS profile or curve, got {type(sps).__name__}")
+    return sps
+
+
+class _SpsPolicy(ConfidencePolicy):
+    def __init__(self, sps: SpsProfile | OnlineSps | SpsCurve, refine: bool = True) -> None:
+        super().__init__()
+        self.sps = as_sps_curve(sps, refine)
+        self._sps_fn = table_lookup(self.sps)
+
+    def observe_step(self, batch_tokens: int, seconds: float) -> None:
+        if isinstance(self.sps, OnlineSps):
+            self.sps.observe(batch_tokens, seconds)
+
+
+class DSparkPolicy(_SpsPolicy):
+    """Algorithm 1: the greedy prefix scheduler with early break, on this step's confidences."""
+
+    name = "dspark"
+
+    def _schedule(self, confidences: torch.Tensor) -> torch.Tensor:
+        return schedule_prefix_greedy(confidences, self._sps_fn)
+
+
+class DSparkAsyncPolicy(_SpsPolicy):
+    """The production variant: capacity from two steps ago, top-K of the current survival.
+
+    Step t's capacity comes from a global argmax of Theta (no early break, so it sees past
+    jagged SPS cliffs) over step t-2's confidences; it is kept as the target batch size
+    B* = R_{t-2} + K_{t-2}. Step t then verifies the K = max(0, B* - R_t) ranked candidates of
+    its own confidences with the highest survival. Lossless: K depends only on earlier steps
+    and on R_t (both fixed before this step's tokens are drawn), and a token's rank depends
+    only on survival values ranked above it, which its own value never shapes.
+
+    Keeping B* rather than K means requests joining or leaving keep the batch at the size the
+    search chose (the same side of a cliff); a sudden jump in R can leave K = 0 for two steps.
+    While fewer than two earlier steps have confidences (the first two steps, or two steps
+    after a fallback step), the step is scheduled by Algorithm 1 on its own confidences,
+    which is also lossless; `warmup_steps` counts those.
+    """
+
+    name = "dspark-async"
+    lag = 2
+
+    def __init__(self, sps: SpsProfile | OnlineSps | SpsCurve, refine: bool = True) -> None:
+        super().__init__(sps, refine)
+        self._targets: deque[int | None] = deque(maxlen=self.lag)
+        self.warmup_steps = 0
+
+    def reset(self) -> None:
+        """Forget the history (e.g. after the engine drained every request)."""
+        self._targets.clear()
+
+    def _schedule(self, confidences: torch.Tensor) -> torch.Tensor:
+        num_requests = confidences.shape[0]
+        target = self._targets[0] if len(self._targets) == self.lag else None
+        # The capacity this step hands to step t+2 (computed now, consumed later: ZOS-friendly).
+        self._targets.append(num_requests + int(schedule_global_argmax(confidences, self._sps_fn).sum()))
+        if target is None:
+            self.warmup_steps += 1
+            return schedule_prefix_greedy(confidences, self._sps_fn)
+        return topk_survival(confidences, max(0, target - num_requests))
+
+    def _on_fallback(self) -> None:
+        self._targets.append(None)

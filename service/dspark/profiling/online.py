@@ -1,0 +1,120 @@
+"""Online refinement of an SPS profile from the engine's own step timings.
+
+A profile taken on an idle node, or before the hardware drifted (thermals, neighbours on the
+node, a driver update), mis-states the step rate. `OnlineSps` keeps the profile as its prior
+and learns one multiplicative step-time correction per measured batch size.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+import torch
+
+from dspark.profiling.interpolation import interp_flat
+from dspark.profiling.sps_profile import SpsPoint, SpsProfile
+
+
+class OnlineSps:
+    """SPS(B) = prior SPS(B) / correction(B), the correction learned from observed step times.
+
+    Each observation (B, seconds) gives the ratio of observed to prior step time at B; it is
+    shared between the two grid points around B in proportion to their closeness (below the
+    first or above the last point, all to the end point). A grid point's log correction moves
+    toward the observed log ratio like a running mean in which the prior counts as
+    `prior_weight` observations, but never slower than an EWMA with rate `alpha`, so it keeps
+    following drift once many observations have arrived. One observation moves a correction by at
+    most a factor `max_jump`, so a single stalled step (a GC pause, a page fault) cannot wreck it.
+
+    `sps()` always reflects every observation; the dense `table()` the scheduler indexes is
+    rebuilt at most once per `refresh_every` observations, which keeps refinement off the
+    per-step cost (a few steps of lag are nothing next to the EWMA's own memory).
+    """
+
+    def __init__(
+        self,
+        prior: SpsProfile,
+        alpha: float = 0.05,
+        prior_weight: float = 4.0,
+        max_jump: float = 2.0,
+        refresh_every: int = 8,
+    ) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        if prior_weight < 0:
+            raise ValueError(f"prior_weight must be >= 0, got {prior_weight}")
+        if refresh_every < 1:
+            raise ValueError(f"refresh_every must be >= 1, got {refresh_every}")
+        if max_jump <= 1:
+            raise ValueError(f"max_jump must be > 1, got {max_jump}")
+        self.prior = prior
+        self.alpha = alpha
+        self.prior_weight = prior_weight
+        self.max_log_jump = math.log(max_jump)
+        self._grid = [float(b) for b in prior.batch_tokens()]
+        self._grid_t = torch.tensor(self._grid, dtype=torch.float64)
+        self._log_corr = [0.0] * len(self._grid)
+        self._weight = [0.0] * len(self._grid)
+        self._log_corr_t: torch.Tensor | None = None
+        self.observations = 0
+        self.refresh_every = refresh_every
+        self._table: torch.Tensor | None = None
+        self._table_age = 0
+
+    def observe(self, batch_tokens: int, seconds: float) -> None:
+        """Record that a forward of `batch_tokens` tokens took `seconds`."""
+        if batch_tokens < 1:
+            raise ValueError(f"batch_tokens must be >= 1, got {batch_tokens}")
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ValueError(f"step time must be a positive finite number of seconds, got {seconds}")
+        log_ratio = math.log(seconds * self.prior.sps(float(batch_tokens)))
+        for i, share in self._neighbours(float(batch_tokens)):
+            # Running mean with the prior as `prior_weight` pseudo-observations, floored at the EWMA rate.
+            rate = max(self.alpha * share, share / (self._weight[i] + self.prior_weight + share))
+            step = max(-self.max_log_jump, min(self.max_log_jump, log_ratio - self._log_corr[i]))
+            self._log_corr[i] += rate * step
+            self._weight[i] += share
+        self._log_corr_t = None
+        self.observations += 1
+        self._table_age += 1
+
+    def _neighbours(self, b: float) -> list[tuple[int, float]]:
+        grid = self._grid
+        if b <= grid[0]:
+            return [(0, 1.0)]
+        if b >= grid[-1]:
+            return [(len(grid) - 1, 1.0)]
+        right = bisect.bisect_right(grid, b)
+        left = right - 1
+        w = (b - grid[left]) / (grid[right] - grid[left])
+        return [(i, s) for i, s in ((left, 1.0 - w), (right, w)) if s > 0]
+
+    def sps(self, batch_tokens: torch.Tensor | float) -> torch.Tensor | float:
+        """Refined steps per second (float64 tensor for a tensor input, like `SpsProfile.sps`)."""
+        if not isinstance(batch_tokens, torch.Tensor):
+            return float(self.sps(torch.tensor([float(batch_tokens)], dtype=torch.float64))[0])
+        if self._log_corr_t is None:
+            self._log_corr_t = torch.tensor(self._log_corr, dtype=torch.float64)
+        correction = interp_flat(batch_tokens, self._grid_t, self._log_corr_t).exp()
+        return self.prior.sps(batch_tokens) / correction
+
+    def table(self, max_batch_tokens: int) -> torch.Tensor:
+        """Refined SPS at every integer B in [0, max_batch_tokens] (and maybe beyond), on the CPU."""
+        stale = self._table_age >= self.refresh_every
+        if self._table is None or self._table.numel() <= max_batch_tokens or stale:
+            size = max(max_batch_tokens + 1, 0 if self._table is None else self._table.numel(), 64)
+            self._table = self.sps(torch.arange(size, dtype=torch.float64))
+            self._table_age = 0
+        return self._table
+
+    def corrections(self) -> list[float]:
+        """Observed / prior step time at each grid point (1.0 where nothing was observed)."""
+        return [math.exp(c) for c in self._log_corr]
+
+    def to_profile(self) -> SpsProfile:
+        """The refined curve as a profile of its own (same metadata, refined rates, new timestamp)."""
+        refined = self.sps(self._grid_t).tolist()
+        fields = self.prior.model_dump(exclude={"points", "created"})
+        points = [SpsPoint(batch_tokens=int(b), steps_per_second=s) for b, s in zip(self._grid, refined, strict=True)]
+        return SpsProfile(**fields, points=points)

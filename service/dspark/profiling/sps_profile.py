@@ -1,0 +1,265 @@
+"""The SPS profile: verification steps per second of an engine against the tokens in the forward.
+
+JSON layout (version 1), shared by the profiler, the policies and the operator:
+
+    {"version": 1, "device": "NVIDIA H200", "node_type": "gpu-h200", "model": "Qwen3-4B",
+     "dtype": "bfloat16", "engine": {"max_batch_tokens": 2048, ...},
+     "created": "2026-11-29T07:38:14+00:00",
+     "points": [{"batch_tokens": 1, "steps_per_second": 61.2}, ...]}
+
+A measured curve is jagged (kernel tiles, CUDA-graph buckets) and is kept as measured; the
+points are only sorted by batch size. Importing this module does not import torch (the
+operator validates profiles without it); the lookup does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import os
+import re
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol, overload
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+
+if TYPE_CHECKING:  # torch is imported on first lookup: the operator reads profiles without it
+    import torch
+
+Dtype = Literal["bfloat16", "float32"]
+
+
+class ProfileError(ValueError):
+    """An SPS profile is missing, malformed, or belongs to another model, dtype or device."""
+
+
+class SpsCurve(Protocol):
+    """Anything that maps batch tokens to steps per second (a profile, a refined profile)."""
+
+    def sps(self, batch_tokens: torch.Tensor) -> torch.Tensor: ...
+
+
+def table_lookup(curve: SpsCurve) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A fast SPS function for integer batch sizes: index a dense per-B table when the curve
+    keeps one (`table(max_b)`), else call its `sps`. The scheduler calls this every step."""
+    table_fn = getattr(curve, "table", None)
+    if table_fn is None:
+        return curve.sps
+
+    def lookup(batch_tokens: torch.Tensor) -> torch.Tensor:
+        table = table_fn(int(batch_tokens.max()))
+        return table.to(batch_tokens.device)[batch_tokens.long()]
+
+    return lookup
+
+
+class SpsPoint(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    batch_tokens: int = Field(ge=1, strict=True)
+    steps_per_second: float = Field(gt=0, allow_inf_nan=False)
+
+
+def _now_iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+class SpsProfile(BaseModel):
+    """A measured step-rate curve SPS(B) for one model, dtype and device."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    version: Literal[1] = 1
+    device: str = Field(min_length=1)
+    node_type: str = ""
+    model: str = Field(min_length=1)
+    dtype: Dtype
+    engine: dict[str, Any] = Field(default_factory=dict)
+    created: str = Field(default_factory=_now_iso)
+    points: list[SpsPoint] = Field(min_length=1)
+
+    _source: str = PrivateAttr(default="<memory>")
+    _tail_slope: float = PrivateAttr(default=0.0)
+    _xp: torch.Tensor | None = PrivateAttr(default=None)
+    _fp: torch.Tensor | None = PrivateAttr(default=None)
+    _table: torch.Tensor | None = PrivateAttr(default=None)
+
+    @field_validator("created")
+    @classmethod
+    def _iso8601(cls, value: str) -> str:
+        try:
+            datetime.fromisoformat(value)
+        except ValueError:
+            raise ValueError(f"not an ISO 8601 timestamp: {value!r}") from None
+        return value
+
+    @field_validator("points")
+    @classmethod
+    def _sorted_unique(cls, points: list[SpsPoint]) -> list[SpsPoint]:
+        points = sorted(points, key=lambda p: p.batch_tokens)
+        dupes = sorted({a.batch_tokens for a, b in itertools.pairwise(points) if a.batch_tokens == b.batch_tokens})
+        if dupes:
+            raise ValueError(f"duplicate batch_tokens {dupes}: each batch size must be measured once")
+        return points
+
+    def model_post_init(self, context: Any) -> None:
+        self._tail_slope = _tail_slope(
+            [float(p.batch_tokens) for p in self.points], [1.0 / p.steps_per_second for p in self.points]
+        )
+
+    def __eq__(self, other: object) -> bool:
+        # Same measurements and metadata; where it was loaded from and the lookup caches don't count.
+        if not isinstance(other, SpsProfile):
+            return NotImplemented
+        return self.model_dump() == other.model_dump()
+
+    __hash__ = None  # type: ignore[assignment]  # `engine` is a free dict
+
+    # -- loading and saving -------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> SpsProfile:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            raise ProfileError(f"SPS profile not found: {path}") from None
+        except OSError as exc:
+            raise ProfileError(f"cannot read SPS profile {path}: {exc}") from None
+        return cls.parse(text, source=str(path))
+
+    @classmethod
+    def parse(cls, text: str, source: str = "<string>") -> SpsProfile:
+        if not text.strip():
+            raise ProfileError(f"SPS profile {source} is empty")
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ProfileError(f"SPS profile {source} is not valid JSON: {exc}") from None
+        try:
+            profile = cls.model_validate(data)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}" for err in exc.errors()
+            )
+            raise ProfileError(f"SPS profile {source} is invalid: {problems}") from None
+        profile._source = source
+        return profile
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the profile as JSON (atomically: a reader never sees half a file)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        tmp.write_text(self.model_dump_json(indent=2) + "\n")
+        tmp.replace(path)
+        return path
+
+    @property
+    def source(self) -> str:
+        """Where the profile was loaded from (for messages)."""
+        return self._source
+
+    # -- does it belong to this engine? --------------------------------------------------------
+
+    def mismatches(self, model: str, dtype: str, device: str) -> list[str]:
+        found = []
+        for what, mine, theirs in (("model", self.model, model), ("dtype", self.dtype, dtype), ("device", self.device, device)):
+            if mine != theirs:
+                found.append(f"{what} {mine!r} (engine runs {theirs!r})")
+        return found
+
+    def matches(self, model: str, dtype: str, device: str) -> bool:
+        return not self.mismatches(model, dtype, device)
+
+    def ensure_matches(self, model: str, dtype: str, device: str) -> None:
+        """Refuse a profile measured for another model, dtype or device: its step rates would mislead."""
+        found = self.mismatches(model, dtype, device)
+        if found:
+            raise ProfileError(
+                f"refusing SPS profile {self.source}: it was measured for " + ", ".join(found)
+                + "; profile this engine again or point to the matching profile"
+            )
+
+    # -- lookup --------------------------------------------------------------------------------
+
+    @overload
+    def sps(self, batch_tokens: torch.Tensor) -> torch.Tensor: ...
+    @overload
+    def sps(self, batch_tokens: float) -> float: ...
+
+    def sps(self, batch_tokens: torch.Tensor | float) -> torch.Tensor | float:
+        """Steps per second for a forward of `batch_tokens` tokens (float64 tensor for a tensor).
+
+        Linear between measured points, flat below the first. Beyond the last point the step
+        time is assumed to keep growing linearly in B, with the steeper of the last segment's
+        and the whole curve's time-per-token slopes (never negative; a one-point profile
+        assumes time proportional to B), so extrapolated SPS never increases and errs low.
+        """
+        import torch
+
+        from dspark.profiling.interpolation import interp_flat
+
+        if not isinstance(batch_tokens, torch.Tensor):
+            return float(self.sps(torch.tensor([float(batch_tokens)], dtype=torch.float64))[0])
+        if self._xp is None or self._fp is None:
+            self._xp = torch.tensor(self.batch_tokens(), dtype=torch.float64)
+            self._fp = torch.tensor(self.steps_per_second(), dtype=torch.float64)
+        b = batch_tokens.to(torch.float64)
+        inside = interp_flat(b, self._xp, self._fp)
+        last_b, last_sps = float(self.points[-1].batch_tokens), self.points[-1].steps_per_second
+        tail = 1.0 / (1.0 / last_sps + self._tail_slope * (b - last_b).clamp_min(0.0))
+        return torch.where(b > last_b, tail, inside)
+
+    def table(self, max_batch_tokens: int) -> torch.Tensor:
+        """SPS at every integer B in [0, max_batch_tokens] (and maybe beyond), float64 on the CPU."""
+        import torch
+
+        if self._table is None or self._table.numel() <= max_batch_tokens:
+            size = max(max_batch_tokens + 1, 2 * (0 if self._table is None else self._table.numel()), 64)
+            self._table = self.sps(torch.arange(size, dtype=torch.float64))
+        return self._table
+
+    def batch_tokens(self) -> list[int]:
+        return [p.batch_tokens for p in self.points]
+
+    def steps_per_second(self) -> list[float]:
+        return [p.steps_per_second for p in self.points]
+
+    def plot(self, path: str | os.PathLike[str], **kwargs: Any) -> Path:
+        from dspark.profiling.plots import plot_sps_profile
+
+        return plot_sps_profile(self, path, **kwargs)
+
+
+def _tail_slope(xs: list[float], times: list[float]) -> float:
+    """Seconds per extra token beyond the last measured point (see `SpsProfile.sps`)."""
+    if len(xs) == 1:
+        return times[0] / xs[0]
+    last = (times[-1] - times[-2]) / (xs[-1] - xs[-2])
+    overall = (times[-1] - times[0]) / (xs[-1] - xs[0])
+    slope = max(last, overall, 0.0)
+    return slope if math.isfinite(slope) else 0.0
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def dspark_home() -> Path:
+    return Path(os.environ.get("DSPARK_HOME") or "~/.cache/dspark").expanduser()
+
+
+def default_profile_path(model: str, dtype: str, device: str) -> Path:
+    """`$DSPARK_HOME/profiles/<slug>.json` (DSPARK_HOME defaults to ~/.cache/dspark).
+
+    The slug is readable (model basename, dtype, device) plus a short hash of the exact
+    triple, so two models with the same file name in different folders never share a profile.
+    """
+    digest = hashlib.sha256(f"{model}\0{dtype}\0{device}".encode()).hexdigest()[:8]
+    name = _slug(Path(model.rstrip("/")).name or model)[:60] or "model"
+    return dspark_home() / "profiles" / f"{name}__{_slug(dtype)}__{_slug(device)[:40]}__{digest}.json"

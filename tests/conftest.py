@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny random models written in HF format, and the real default target."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+TINY = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+
+def write_tiny_model(path: Path, family: str, seed: int = 0, **overrides) -> Path:
+    """A random HF checkpoint of the given family, with weights large enough for peaked logits."""
+    torch.manual_seed(seed)
+    kwargs = {**TINY, "initializer_range": 0.3, **overrides}
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**kwargs, rope_theta=10000.0))
+    elif family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**kwargs))
+    elif family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**kwargs, head_dim=16))
+    else:
+        raise ValueError(family)
+    with torch.no_grad():  # random norms and biases, so a missed weight cannot pass unnoticed
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {f: write_tiny_model(root / f, f) for f in ("llama", "qwen2", "qwen3")}
+
+
+@pytest.fixture(scope="session")
+def smollm_dir() -> Path:
+    from dspark.models.pull import pull_model
+
+    return pull_model("smollm2-135m", progress=False)

@@ -1,0 +1,213 @@
+"""DSparkDrafter (and DFlash) through the engine interface, against the HF-computed target features."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from dspark.drafters.calibration import Calibration
+from dspark.drafters.checkpoint import load_draft_model
+from dspark.drafters.factory import load_drafter
+from safetensors.torch import load_file, save_file
+
+from tests.drafters.helpers import (
+    FIXTURE,
+    VARIANTS,
+    make_request,
+    sampling_for,
+    sequence,
+    target_features,
+)
+
+
+def drafter_with_context(drafter, target, requests, chunks=None):
+    """Admit requests and commit their cached tokens' features (optionally in chunks of given sizes)."""
+    for request in requests:
+        drafter.admit(request)
+        feats = target_features(target, request.all_token_ids[:-1])
+        sizes = chunks or [feats.shape[0]]
+        start = 0
+        for size in sizes:
+            drafter.commit([request], [feats[start : start + size]])
+            start += size
+        assert start == feats.shape[0]
+    return drafter
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_greedy_block_matches_reference(variant, target):
+    exp = load_file(FIXTURE / f"draft_{variant}" / "expected.safetensors")
+    prompt = exp["prompt_ids"][0].tolist()
+    request = make_request("r", [*prompt, int(exp["anchor_id"])], num_cached=len(prompt))
+    drafter = drafter_with_context(
+        load_drafter(str(FIXTURE / f"draft_{variant}"), target.config), target, [request]
+    )
+    assert drafter.name == "dspark" and drafter.gamma == 7 and drafter.target_layers == (0, 2, 4)
+
+    block = drafter.propose([request], sampling_for([request]))
+    assert torch.equal(block.tokens, exp["greedy_draft_tokens"])
+    one_hot = torch.nn.functional.one_hot(block.tokens, 1024).float()
+    assert torch.equal(block.probs, one_hot)  # greedy rows draw from one-hot distributions
+    torch.testing.assert_close(
+        block.confidences, torch.sigmoid(exp["confidence_logits"]), atol=1e-5, rtol=1e-5
+    )
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_batch_equals_each_alone(variant, target):
+    drafter = load_drafter(str(FIXTURE / f"draft_{variant}"), target.config)
+    lengths, temps, seeds = (6, 23, 41), (0.0, 0.8, 1.3), (None, 11, 12)
+    requests = [
+        make_request(f"r{i}", sequence(n + 1, seed=i), num_cached=n, temperature=t)
+        for i, (n, t) in enumerate(zip(lengths, temps, strict=True))
+    ]
+    drafter_with_context(drafter, target, requests)
+
+    batch = drafter.propose(requests, sampling_for(requests, list(seeds)))
+    assert batch.tokens.shape == (3, 7) and batch.probs.shape == (3, 7, 1024)
+    for i, request in enumerate(requests):
+        alone = drafter.propose([request], sampling_for([request], [seeds[i]]))
+        assert torch.equal(batch.tokens[i], alone.tokens[0])
+        torch.testing.assert_close(batch.probs[i], alone.probs[0], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(batch.confidences[i], alone.confidences[0], atol=1e-5, rtol=1e-4)
+    # Sampled rows are real distributions and each token was drawn from support of its own row.
+    torch.testing.assert_close(batch.probs.sum(-1), torch.ones(3, 7))
+    assert bool((batch.probs.gather(-1, batch.tokens[..., None]) > 0).all())
+    assert bool(((batch.probs[1:] > 0).sum(-1) > 1).all())
+
+
+def test_incremental_commits_equal_scratch(target):
+    path = str(FIXTURE / "draft_rnn")
+    tokens = sequence(40, seed=7)
+    stepwise = load_drafter(path, target.config)
+    request = make_request("r", tokens[:13], num_cached=12)
+    drafter_with_context(stepwise, target, [request], chunks=[7, 5])  # chunked prefill
+    stepwise.propose([request], sampling_for([request]))
+    for accepted in (3, 1, 6, 2):  # verification steps: cache the anchor and the accepted tokens
+        features = target_features(target, tokens[: request.num_cached + accepted])
+        stepwise.commit([request], [features[request.num_cached :]])
+        request.num_cached += accepted
+        request.prompt_token_ids = tokens[: request.num_cached + 1]
+        stepwise.propose([request], sampling_for([request]))
+
+    scratch_request = make_request("s", tokens[: request.num_cached + 1], num_cached=request.num_cached)
+    scratch = drafter_with_context(load_drafter(path, target.config), target, [scratch_request])
+    a = stepwise.propose([request], sampling_for([request]))
+    b = scratch.propose([scratch_request], sampling_for([scratch_request]))
+    assert torch.equal(a.tokens, b.tokens)
+    torch.testing.assert_close(a.confidences, b.confidences, atol=1e-5, rtol=1e-4)
+
+    # ...and both equal the one-shot reference pass of the network on the full context.
+    model = stepwise.model
+    with torch.no_grad():
+        feats = target_features(target, tokens[: request.num_cached])[None]
+        anchor = torch.tensor([tokens[request.num_cached]])
+        hidden = model(feats, anchor)
+        logits, conf = model.teacher_forced(hidden, anchor, a.tokens)
+    assert torch.equal(logits.argmax(-1), a.tokens)
+    torch.testing.assert_close(torch.sigmoid(conf), a.confidences, atol=1e-5, rtol=1e-4)
+
+
+def test_many_requests_long_contexts_and_row_reuse(target):
+    """More requests than the initial rows and contexts past the initial capacity; released rows are reused."""
+    path = str(FIXTURE / "draft_vanilla")
+    drafter = load_drafter(path, target.config)
+    requests = [
+        make_request(f"r{i}", sequence(30 + 9 * i, seed=100 + i), num_cached=29 + 9 * i) for i in range(11)
+    ]
+    drafter_with_context(drafter, target, requests)
+    batch = drafter.propose(requests, sampling_for(requests))
+    for i in (0, 10):
+        alone = drafter.propose([requests[i]], sampling_for([requests[i]]))
+        assert torch.equal(batch.tokens[i], alone.tokens[0])
+
+    for request in requests[:5]:
+        drafter.release(request)
+    newcomer = make_request("new", sequence(4, seed=999), num_cached=3)
+    drafter_with_context(drafter, target, [newcomer])  # takes a released row holding stale context
+    fresh_request = make_request("fresh", newcomer.all_token_ids, num_cached=3)
+    fresh = drafter_with_context(load_drafter(path, target.config), target, [fresh_request])
+    got = drafter.propose([newcomer], sampling_for([newcomer]))
+    want = fresh.propose([fresh_request], sampling_for([fresh_request]))
+    assert torch.equal(got.tokens, want.tokens)
+    torch.testing.assert_close(got.confidences, want.confidences, atol=1e-5, rtol=1e-4)
+
+
+def test_calibration_temperatures_scale_confidences(tmp_path, target):
+    ckpt = tmp_path / "draft"
+    shutil.copytree(FIXTURE / "draft_gated", ckpt)
+    temps = [0.5, 1.0, 2.0, 3.0, 1.5, 4.0, 0.8]
+    Calibration(drafter_id="gated-test", temperatures=temps).save(ckpt)
+    exp = load_file(ckpt / "expected.safetensors")
+    prompt = exp["prompt_ids"][0].tolist()
+    request = make_request("r", [*prompt, int(exp["anchor_id"])], num_cached=len(prompt))
+    drafter = drafter_with_context(load_drafter(str(ckpt), target.config), target, [request])
+    block = drafter.propose([request], sampling_for([request]))
+    want = torch.sigmoid(exp["confidence_logits"] / torch.tensor(temps))
+    torch.testing.assert_close(block.confidences, want, atol=1e-5, rtol=1e-5)
+
+    Calibration(drafter_id="gated-test", temperatures=temps[:3]).save(ckpt)
+    with pytest.raises(ValueError, match="3 temperatures but the drafter drafts 7"):
+        load_drafter(str(ckpt), target.config)
+
+
+def dflash_checkpoint(tmp_path, zlab_layout: bool):
+    """The vanilla fixture's backbone saved as a DFlash checkpoint (no sequential / confidence head)."""
+    ckpt = tmp_path / ("zlab" if zlab_layout else "dflash")
+    ckpt.mkdir()
+    config = json.loads((FIXTURE / "draft_vanilla" / "config.json").read_text())
+    for key in ("markov_head_type", "markov_rank", "enable_confidence_head", "confidence_head_with_markov"):
+        config.pop(key)
+    if zlab_layout:
+        config["architectures"] = ["DFlashDraftModel"]
+        config["dflash_config"] = {
+            "target_layer_ids": config.pop("target_layer_ids"),
+            "mask_token_id": config.pop("mask_token_id"),
+        }
+    (ckpt / "config.json").write_text(json.dumps(config))
+    state = load_file(FIXTURE / "draft_vanilla" / "model.safetensors")
+    skip = (
+        ("markov_head.", "confidence_head.", "embed_tokens.", "lm_head.")
+        if zlab_layout
+        else ("markov_head.", "confidence_head.")
+    )
+    save_file({k: v for k, v in state.items() if not k.startswith(skip)}, ckpt / "model.safetensors")
+    return ckpt
+
+
+@pytest.mark.parametrize("zlab_layout", [False, True])
+def test_dflash_drafts_base_argmax(tmp_path, target, zlab_layout):
+    from dspark.drafters.checkpoint import load_target_shared_weights
+
+    ckpt = dflash_checkpoint(tmp_path, zlab_layout)
+    shared = load_target_shared_weights(FIXTURE / "target") if zlab_layout else None
+    drafter = load_drafter(str(ckpt), target.config, shared=shared)
+    assert drafter.name == "dflash"
+    assert drafter.gamma == (6 if zlab_layout else 7)  # z-lab's anchor only conditions: block 7 -> 6 drafts
+    tokens = sequence(26, seed=3)
+    requests = [make_request("a", tokens, 25), make_request("b", tokens[:9], 8, temperature=1.0)]
+    drafter_with_context(drafter, target, requests)
+    block = drafter.propose(requests, sampling_for(requests, [None, 5]))
+    assert block.confidences is None and block.tokens.shape == (2, drafter.gamma)
+
+    model = load_draft_model(ckpt, shared=shared)
+    with torch.no_grad():
+        hidden = model(target_features(target, tokens[:25])[None], torch.tensor([tokens[25]]))
+    assert hidden.shape == (1, drafter.gamma, 64)
+    assert torch.equal(block.tokens[0], model.lm_head(hidden)[0].argmax(-1))
+
+
+def test_interface_misuse_is_reported(target):
+    drafter = load_drafter(str(FIXTURE / "draft_vanilla"), target.config)
+    request = make_request("r", sequence(6, seed=1), num_cached=5)
+    with pytest.raises(KeyError, match="not admitted"):
+        drafter.commit([request], [torch.zeros(5, 192)])
+    drafter.admit(request)
+    with pytest.raises(ValueError, match=r"features must be \[n_tokens, 192\]"):
+        drafter.commit([request], [torch.zeros(5, 64)])
+    with pytest.raises(RuntimeError, match="saw 0 committed tokens"):
+        drafter.propose([request], sampling_for([request]))
+    with pytest.raises(ValueError, match="already admitted"):
+        drafter.admit(request)

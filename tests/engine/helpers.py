@@ -1,0 +1,76 @@
+"""Test-only drafters and engine builders."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from dspark.drafters.base import DraftBlock, Drafter
+from dspark.engine.config import EngineConfig
+from dspark.engine.llm_engine import LLMEngine
+from dspark.engine.request import Request
+from dspark.engine.sampler import SamplingTensors, logits_to_probs, sample
+from dspark.models.loader import load_target_model
+from dspark.policies.factory import build_policy
+
+
+class ScriptedDrafter(Drafter):
+    """Proposes a known continuation with random corruptions, so verification sees both outcomes."""
+
+    name = "scripted"
+
+    def __init__(
+        self, gamma: int, continuations: dict[tuple[int, ...], list[int]], corrupt: float, vocab: int
+    ) -> None:
+        self.gamma = gamma
+        self.continuations = continuations  # prompt ids -> reference output ids
+        self.corrupt = corrupt
+        self.vocab = vocab
+        self.rng = torch.Generator().manual_seed(0)
+
+    def propose(self, requests: Sequence[Request], sampling: SamplingTensors) -> DraftBlock:
+        rows = []
+        for r in requests:
+            ref = self.continuations.get(tuple(r.prompt_token_ids), [])
+            done = len(r.output_token_ids)
+            row = (ref[done : done + self.gamma] + [0] * self.gamma)[: self.gamma]
+            noise = torch.rand(self.gamma, generator=self.rng) < self.corrupt
+            rows.append(
+                [
+                    int(torch.randint(self.vocab, (1,), generator=self.rng)) if bad else t
+                    for t, bad in zip(row, noise.tolist(), strict=True)
+                ]
+            )
+        return DraftBlock(torch.tensor(rows, dtype=torch.long).reshape(len(requests), self.gamma), None)
+
+
+class DistributionDrafter(Drafter):
+    """Samples each draft token from fixed logits (processed with the request's sampling params)."""
+
+    name = "distribution"
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits  # [gamma, V]
+        self.gamma = logits.shape[0]
+
+    def propose(self, requests: Sequence[Request], sampling: SamplingTensors) -> DraftBlock:
+        n = len(requests)
+        probs = logits_to_probs(self.logits.expand(n, *self.logits.shape).contiguous(), sampling)
+        return DraftBlock(sample(probs, sampling.generators), probs)
+
+
+def engine_on(model_dir, drafter: Drafter, policy: str, tokenizer=None, **config) -> LLMEngine:
+    cfg = EngineConfig(
+        target=str(model_dir), dtype="float32", device="cpu", gamma=max(drafter.gamma, 1), **config
+    )
+    model = load_target_model(model_dir, torch.float32, torch.device("cpu"))
+    return LLMEngine(
+        cfg,
+        model,
+        tokenizer,
+        drafter,
+        build_policy(policy),
+        torch.device("cpu"),
+        torch.float32,
+        str(model_dir),
+    )

@@ -1,0 +1,136 @@
+"""Policy objects: fallback on unusable confidences, the async variant's bookkeeping, online SPS."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from dspark.policies.dspark import DSparkAsyncPolicy, DSparkPolicy
+from dspark.policies.prefix_scheduler import schedule_global_argmax, schedule_prefix_greedy, topk_survival
+from dspark.policies.threshold import ThresholdPolicy
+from dspark.profiling.online import OnlineSps
+from dspark.profiling.synthetic import synthetic_profile
+
+PROFILE = synthetic_profile(max_batch_tokens=512, fixed_ms=2.0, per_token_us=40.0, tile=64, tile_ms=0.3)
+
+
+def confidences(seed: int, rows: int = 16, gamma: int = 6) -> torch.Tensor:
+    return torch.rand(rows, gamma, generator=torch.Generator().manual_seed(seed)) ** 0.4
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: DSparkPolicy(PROFILE), lambda: DSparkAsyncPolicy(PROFILE), lambda: ThresholdPolicy(0.5)]
+)
+def test_unusable_confidences_fall_back_with_one_warning_per_burst(make, caplog) -> None:
+    policy = make()
+    bad = confidences(0)
+    bad[3, 2] = float("nan")
+    inf = confidences(1)
+    inf[0, 0] = float("inf")
+    with caplog.at_level(logging.WARNING, logger="dspark.policies.confidence"):
+        assert policy.schedule(None, 6, 16).tolist() == [3] * 16
+        assert policy.schedule(bad, 6, 16).tolist() == [3] * 16
+        assert policy.schedule(None, 2, 4).tolist() == [2] * 4  # never more than gamma
+        assert len(caplog.records) == 1 and "static 3" in caplog.records[0].getMessage()
+        policy.schedule(confidences(2), 6, 16)  # usable again: the burst ends
+        assert policy.schedule(inf, 6, 16).tolist() == [3] * 16
+    assert policy.fallbacks == 4
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 2
+
+
+def test_wrong_confidence_shape_is_an_error() -> None:
+    with pytest.raises(ValueError, match=r"shape \(16, 6\), expected \(16, 5\)"):
+        DSparkPolicy(PROFILE).schedule(confidences(0), 5, 16)
+
+
+def test_lengths_are_cpu_int64_within_gamma() -> None:
+    for policy in (DSparkPolicy(PROFILE), DSparkAsyncPolicy(PROFILE), ThresholdPolicy(0.3)):
+        for seed in range(4):
+            lengths = policy.schedule(confidences(seed).to(torch.bfloat16), 6, 16)
+            assert lengths.dtype == torch.int64 and lengths.device.type == "cpu"
+            assert int(lengths.min()) >= 0 and int(lengths.max()) <= 6
+    assert DSparkPolicy(PROFILE).schedule(torch.empty(0, 6), 6, 0).tolist() == []
+
+
+def test_threshold_policy_matches_a_loop() -> None:
+    conf = confidences(3)
+    expected = []
+    for row in conf.tolist():
+        n = 0
+        while n < len(row) and row[n] >= 0.7:
+            n += 1
+        expected.append(n)
+    assert ThresholdPolicy(0.7).schedule(conf, 6, 16).tolist() == expected
+
+
+@pytest.mark.parametrize("bad", [0.0, 1.0, -0.2, 1.5, float("nan")])
+def test_threshold_outside_open_unit_interval_is_refused(bad: float) -> None:
+    with pytest.raises(ValueError, match="strictly between 0 and 1"):
+        ThresholdPolicy(bad)
+
+
+def test_dspark_policy_is_algorithm_1_on_its_sps_curve() -> None:
+    policy = DSparkPolicy(PROFILE, refine=False)
+    for seed in range(5):
+        conf = confidences(seed)
+        assert torch.equal(policy.schedule(conf, 6, 16), schedule_prefix_greedy(conf, PROFILE.sps))
+
+
+def test_observe_step_refines_the_dspark_curve() -> None:
+    policy = DSparkPolicy(PROFILE)
+    assert isinstance(policy.sps, OnlineSps)
+    before = policy.schedule(confidences(0), 6, 16).sum()
+    # The node turns out 3x slower per token than profiled: verifying extra tokens costs more.
+    for _ in range(200):
+        for b in (16, 32, 64, 96, 112):
+            policy.observe_step(b, (2.0 + 3 * 0.04 * b) / 1000)
+    assert policy.sps.observations == 1000
+    after = policy.schedule(confidences(0), 6, 16).sum()
+    assert after < before
+    # A fixed profile (refine=False) ignores step timings.
+    frozen = DSparkPolicy(PROFILE, refine=False)
+    frozen.observe_step(64, 1.0)
+    assert frozen.sps is PROFILE
+
+
+def test_async_uses_greedy_for_two_steps_then_capacity_from_two_steps_back() -> None:
+    policy = DSparkAsyncPolicy(PROFILE, refine=False)
+    confs = [confidences(seed, rows=16 + seed) for seed in range(5)]  # the request count changes
+    out = [policy.schedule(c, 6, c.shape[0]) for c in confs]
+    assert policy.warmup_steps == 2
+    for t in (0, 1):
+        assert torch.equal(out[t], schedule_prefix_greedy(confs[t], PROFILE.sps))
+    for t in (2, 3, 4):
+        earlier = confs[t - 2]
+        target_batch = earlier.shape[0] + int(schedule_global_argmax(earlier, PROFILE.sps).sum())
+        capacity = max(0, target_batch - confs[t].shape[0])
+        assert torch.equal(out[t], topk_survival(confs[t], capacity))
+        assert 0 < capacity < confs[t].numel()  # a real partial budget, not all or nothing
+        assert int(out[t].sum()) == capacity
+
+
+def test_async_after_a_fallback_step_schedules_causally_until_history_returns() -> None:
+    policy = DSparkAsyncPolicy(PROFILE, refine=False)
+    policy.schedule(confidences(0), 6, 16)
+    policy.schedule(None, 6, 16)  # no confidences: nothing to derive a capacity from
+    third = confidences(2)
+    capacity = int(schedule_global_argmax(confidences(0), PROFILE.sps).sum())  # same 16 requests
+    assert torch.equal(policy.schedule(third, 6, 16), topk_survival(third, capacity))
+    fourth = confidences(3)
+    assert torch.equal(policy.schedule(fourth, 6, 16), schedule_prefix_greedy(fourth, PROFILE.sps))
+    assert policy.warmup_steps == 2  # step 1 and step 4
+    policy.reset()
+    policy.schedule(confidences(4), 6, 16)
+    assert policy.warmup_steps == 3
+
+
+def test_async_capacity_shrinks_when_many_requests_join() -> None:
+    policy = DSparkAsyncPolicy(PROFILE, refine=False)
+    small = confidences(0, rows=2)
+    policy.schedule(small, 6, 2)
+    policy.schedule(small, 6, 2)
+    target_batch = 2 + int(schedule_global_argmax(small, PROFILE.sps).sum())
+    crowd = confidences(1, rows=target_batch + 5)
+    # More requests than the batch size chosen two steps back: no draft tokens this step.
+    assert policy.schedule(crowd, 6, crowd.shape[0]).sum() == 0

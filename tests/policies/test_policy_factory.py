@@ -1,0 +1,62 @@
+"""`build_policy` spellings and its errors."""
+
+from __future__ import annotations
+
+import pytest
+from dspark.policies.dspark import DSparkAsyncPolicy, DSparkPolicy
+from dspark.policies.factory import build_policy
+from dspark.policies.static import StaticPolicy
+from dspark.policies.threshold import ThresholdPolicy
+from dspark.profiling.online import OnlineSps
+from dspark.profiling.synthetic import synthetic_profile
+
+PROFILE = synthetic_profile(max_batch_tokens=256)
+
+
+@pytest.mark.parametrize(
+    ("spec", "cls", "name"),
+    [
+        ("none", StaticPolicy, "none"),
+        ("full", StaticPolicy, "full"),
+        ("static:4", StaticPolicy, "static:4"),
+        ("threshold:0.6", ThresholdPolicy, "threshold:0.6"),
+        ("dspark", DSparkPolicy, "dspark"),
+        ("dspark-async", DSparkAsyncPolicy, "dspark-async"),
+    ],
+)
+def test_specs_build_their_policy(spec: str, cls: type, name: str) -> None:
+    policy = build_policy(spec, sps=PROFILE)
+    assert isinstance(policy, cls) and policy.name == name
+
+
+def test_dspark_policies_refine_a_profile_online_and_accept_a_refined_curve() -> None:
+    assert isinstance(build_policy("dspark", sps=PROFILE).sps, OnlineSps)
+    online = OnlineSps(PROFILE)
+    assert build_policy("dspark-async", sps=online).sps is online
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("threshold:0", "0 < X < 1"),
+        ("threshold:1", "0 < X < 1"),
+        ("threshold:1.5", "0 < X < 1"),
+        ("threshold:nan", "0 < X < 1"),
+        ("threshold:high", "0 < X < 1"),
+        ("threshold", "0 < X < 1"),
+        ("static:x", "integer K >= 0"),
+        ("static:-1", ">= 0"),
+        ("dspark:3", "unknown verify policy"),
+        ("eagle", "unknown verify policy"),
+        ("", "unknown verify policy"),
+    ],
+)
+def test_bad_specs_are_refused_clearly(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build_policy(spec, sps=PROFILE)
+
+
+@pytest.mark.parametrize("spec", ["dspark", "dspark-async"])
+def test_dspark_without_a_profile_says_what_is_missing(spec: str) -> None:
+    with pytest.raises(ValueError, match="needs an SPS profile"):
+        build_policy(spec)

@@ -1,0 +1,97 @@
+"""OnlineSps: a wrong prior (an idle-node profile) corrects itself from observed step times."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from dspark.profiling.online import OnlineSps
+from dspark.profiling.sps_profile import SpsPoint, SpsProfile
+
+GRID = [1, 8, 16, 32, 64, 128, 256, 512]
+
+
+def idle_node_prior() -> SpsProfile:
+    # Measured alone on the node: 10 ms fixed + 20 us per token.
+    points = [SpsPoint(batch_tokens=b, steps_per_second=1 / (0.010 + 20e-6 * b)) for b in GRID]
+    return SpsProfile(device="cpu", model="m", dtype="float32", points=points)
+
+
+def true_step_seconds(b: float) -> float:
+    # In service: neighbours slow the fixed part by 40% and the per-token part doubles.
+    return 0.014 + 40e-6 * b
+
+
+def test_converges_to_the_shifted_true_curve_where_observed() -> None:
+    online = OnlineSps(idle_node_prior())
+    rng = random.Random(0)
+    for _ in range(3000):
+        b = rng.randint(1, 256)
+        online.observe(b, true_step_seconds(b) * rng.uniform(0.9, 1.1))  # timing noise
+    for b in (1, 8, 16, 32, 64, 128, 256):
+        assert online.sps(b) == pytest.approx(1 / true_step_seconds(b), rel=0.05)
+        assert abs(idle_node_prior().sps(b) * true_step_seconds(b) - 1) > 0.25  # the prior was badly off
+    # Never observed near 512: the correction carries over from 256, the prior's shape is kept.
+    assert online.corrections()[-1] == 1.0
+    assert online.sps(512) == pytest.approx(idle_node_prior().sps(512), rel=1e-12)
+
+
+def test_follows_later_drift() -> None:
+    online = OnlineSps(idle_node_prior())
+    for _ in range(300):
+        online.observe(64, true_step_seconds(64))
+    for _ in range(300):
+        online.observe(64, 2 * true_step_seconds(64))  # the node gets twice as slow
+    assert online.sps(64) == pytest.approx(1 / (2 * true_step_seconds(64)), rel=0.03)
+
+
+def test_one_stalled_step_moves_the_estimate_at_most_by_max_jump() -> None:
+    online = OnlineSps(idle_node_prior(), max_jump=2.0)
+    before = online.sps(64)
+    online.observe(64, 100.0)  # a 100 s hiccup
+    assert online.sps(64) >= before / 2
+
+
+def test_observation_is_shared_between_neighbouring_grid_points() -> None:
+    online = OnlineSps(idle_node_prior(), prior_weight=1.0, alpha=0.01)
+    b = 48  # halfway between 32 and 64: half an observation each, against one pseudo-observation
+    online.observe(b, 1.5 / idle_node_prior().sps(b))
+    corr = dict(zip(GRID, online.corrections(), strict=True))
+    assert corr[32] == pytest.approx(1.5 ** (1 / 3)) and corr[64] == pytest.approx(1.5 ** (1 / 3))
+    assert corr[16] == corr[128] == 1.0
+    no_prior = OnlineSps(idle_node_prior(), prior_weight=0.0)
+    no_prior.observe(b, 1.5 / idle_node_prior().sps(b))
+    assert no_prior.sps(b) == pytest.approx(idle_node_prior().sps(b) / 1.5)  # taken at face value
+
+
+def test_table_tracks_refinement_in_batches() -> None:
+    online = OnlineSps(idle_node_prior(), refresh_every=4)
+    first = online.table(300).clone()
+    for i in range(4):
+        online.observe(100, 0.05)
+        if i < 3:
+            assert torch.equal(online.table(300), first)  # not rebuilt yet
+    assert torch.equal(online.table(300)[:301], online.sps(torch.arange(301)))
+
+
+def test_to_profile_keeps_metadata_and_refined_rates() -> None:
+    online = OnlineSps(idle_node_prior())
+    for _ in range(100):
+        online.observe(64, true_step_seconds(64))
+    refined = online.to_profile()
+    assert refined.model == "m" and refined.batch_tokens() == GRID
+    assert refined.sps(64) == pytest.approx(online.sps(64))
+    assert SpsProfile.parse(refined.model_dump_json()) == refined
+
+
+@pytest.mark.parametrize(("b", "seconds"), [(0, 0.1), (8, 0.0), (8, -1.0), (8, float("nan")), (8, float("inf"))])
+def test_bad_observations_are_refused(b: int, seconds: float) -> None:
+    with pytest.raises(ValueError):
+        OnlineSps(idle_node_prior()).observe(b, seconds)
+
+
+@pytest.mark.parametrize("kwargs", [{"alpha": 0.0}, {"alpha": 1.5}, {"prior_weight": -1}, {"max_jump": 1.0}, {"refresh_every": 0}])
+def test_bad_settings_are_refused(kwargs: dict) -> None:
+    with pytest.raises(ValueError):
+        OnlineSps(idle_node_prior(), **kwargs)
