@@ -60,14 +60,23 @@ def test_print_config_shows_effective_settings(monkeypatch):
     assert bad.exit_code != 0 and "max_queue" in bad.output
 
 
+def write_profile(path: Path) -> None:
+    from dspark.profiling.sps_profile import SpsPoint, SpsProfile
+
+    SpsProfile(device="cpu", model="smollm2-135m", dtype="float32",
+               points=[SpsPoint(batch_tokens=1, steps_per_second=10.0)]).save(path)
+
+
 def test_profile_presence(tmp_path: Path, monkeypatch):
-    assert not policy_needs_profile("static:4") and not policy_needs_profile("full")
-    assert policy_needs_profile("dspark")
-    missing = tmp_path / "none.json"
-    assert profile_present("none", missing)
-    assert not profile_present("dspark", missing)
-    missing.write_text("{}")
-    assert profile_present("dspark", missing)
-    monkeypatch.setenv("DSPARK_SPS_PROFILE", str(missing))
-    assert profile_present("dspark")
+    for free in ("none", "static:4", "full", "threshold:0.5"):
+        assert not policy_needs_profile(free) and profile_present(free, tmp_path / "missing.json")
+    assert policy_needs_profile("dspark") and policy_needs_profile("dspark-async")
+    path = tmp_path / "sps.json"
+    assert not profile_present("dspark", path)
+    path.write_text("{}")
+    assert not profile_present("dspark", path)  # present but not a valid profile
+    write_profile(path)
+    assert profile_present("dspark", path)
+    monkeypatch.setenv("DSPARK_SPS_PROFILE", str(path))
+    assert profile_present("dspark") and profile_present("dspark-async", None, tmp_path / "other.json")
     assert ServeConfig().sps_profile is None

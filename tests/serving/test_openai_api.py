@@ -9,6 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serving.conftest import make_client, make_replica
 from tests.serving.fake_engine import CharTokenizer, FakeEngine
+from tests.serving.test_config import write_profile
 
 TOK = CharTokenizer()
 
@@ -170,6 +171,8 @@ def test_ready_needs_profile_for_profiled_policy(tmp_path):
         with make_client(replica) as c:
             assert c.get("/ready").status_code == 503
             (tmp_path / "sps.json").write_text("{}")
+            assert c.get("/ready").status_code == 503  # not a valid profile
+            write_profile(tmp_path / "sps.json")
             assert c.get("/ready").json() == {"ready": True}
     finally:
         replica.shutdown()

@@ -15,7 +15,7 @@ from dspark.serving.errors import APIError, validation_message
 from dspark.serving.metrics import ServingMetrics
 from dspark.serving.openai_schemas import ChatCompletionRequest, CompletionRequest
 from dspark.serving.openai_service import Frame, JSONReply, OpenAIService, ServiceLimits
-from dspark.serving.readiness import profile_present
+from dspark.serving.readiness import default_profile_for, profile_present
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,9 @@ class EngineReplica:
         self.loop.start()
 
     async def ready(self) -> bool:
-        return self.loop.alive and profile_present(self.engine.config.policy, self.config.sps_profile)
+        return self.loop.alive and profile_present(
+            self.engine.config.policy, self.config.sps_profile, default_profile_for(self.engine)
+        )
 
     async def metrics_text(self) -> bytes:
         return self.metrics.render()
