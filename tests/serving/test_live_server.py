@@ -79,12 +79,12 @@ def test_chat_stream_and_not(client, server):
 
 
 def test_concurrent_streams_are_independent_and_equal_solo_outputs(client, server):
-    solo = {p: client.completions.create(model=server.model, prompt=p, max_tokens=8, temperature=0).choices[0].text
+    solo = {p: client.completions.create(model=server.model, prompt=p, max_tokens=6, temperature=0).choices[0].text
             for p in PROMPTS}
     aclient = openai.AsyncOpenAI(base_url=server.openai_base, api_key=API_KEY, max_retries=0, timeout=300)
 
     async def one(prompt: str) -> str:
-        stream = await aclient.completions.create(model=server.model, prompt=prompt, max_tokens=8,
+        stream = await aclient.completions.create(model=server.model, prompt=prompt, max_tokens=6,
                                                   temperature=0, stream=True)
         return "".join([c.choices[0].text async for c in stream if c.choices])
 
@@ -138,7 +138,7 @@ def test_disconnects_free_slots_and_memory_stays_bounded(server):
 
 
 def test_over_capacity_gets_429_quickly_and_server_survives(server):
-    body = {"model": server.model, "prompt": "Count: 1, 2, 3,", "max_tokens": 8, "temperature": 0}
+    body = {"model": server.model, "prompt": "Count: 1, 2, 3,", "max_tokens": 4, "temperature": 0}
 
     async def timed(c: httpx.AsyncClient) -> tuple[int, float, str | None]:
         t = time.monotonic()
