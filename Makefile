@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH ?= torch==2.13.0
 
-.PHONY: setup run test lint
+.PHONY: setup serve run test lint
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -13,6 +13,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q "$(TORCH)"
 	$(PIP) install -q -e '.[dev]'
 	touch $@
+
+serve: setup
+	$(VENV)/bin/dspark serve
 
 run: setup
 	$(VENV)/bin/dspark generate --drafter ngram "Write a Python function that checks whether a number is prime."
