@@ -21,17 +21,31 @@ CRD = ROOT / "operator" / "dspark_operator" / "crds" / "dsparkservices.dspark.ai
 K8S_VERSION = "1.30"
 
 EVERYTHING_ON = [
-    "--set", "example.enabled=true",
-    "--set", "metrics.serviceMonitor.enabled=true",
-    "--set", "metrics.grafanaDashboard.enabled=true",
+    "--set",
+    "example.enabled=true",
+    "--set",
+    "metrics.serviceMonitor.enabled=true",
+    "--set",
+    "metrics.grafanaDashboard.enabled=true",
 ]
 VALUE_SETS = {
     "defaults": [],
     "everything": EVERYTHING_ON,
-    "namespaced": [*EVERYTHING_ON, "--set", "operator.watchNamespaces={team-a,team-b}",
-                   "--set", "operator.prometheusUrl=http://prometheus.monitoring:9090",
-                   "--set", "serviceAccount.create=false", "--set", "serviceAccount.name=ops",
-                   "--set", "operator.metricsPort=0", "--set", "operator.image.tag=dev"],
+    "namespaced": [
+        *EVERYTHING_ON,
+        "--set",
+        "operator.watchNamespaces={team-a,team-b}",
+        "--set",
+        "operator.prometheusUrl=http://prometheus.monitoring:9090",
+        "--set",
+        "serviceAccount.create=false",
+        "--set",
+        "serviceAccount.name=ops",
+        "--set",
+        "operator.metricsPort=0",
+        "--set",
+        "operator.image.tag=dev",
+    ],
 }
 
 
@@ -45,7 +59,9 @@ def run_helm(helm: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def render(helm: str, values: list[str]) -> list[dict]:
-    result = run_helm(helm, "template", "rel", str(CHART), "--namespace", "serving", "--include-crds", *values)
+    result = run_helm(
+        helm, "template", "rel", str(CHART), "--namespace", "serving", "--include-crds", *values
+    )
     assert result.returncode == 0, result.stderr
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
@@ -94,11 +110,19 @@ def test_everything_renders_example_monitoring_and_dashboard(helm):
     assert [t["name"] for t in example["spec"]["tiers"]] == ["interactive", "batch"]
     assert example["spec"]["image"] == "ghcr.io/dspark/dspark-serve:0.1.0"
     monitor = docs[("ServiceMonitor", "rel-dspark-serving")]
-    assert {r["targetLabel"] for r in monitor["spec"]["endpoints"][0]["relabelings"]} >= {"dspark_service", "dspark_tier"}
+    assert {r["targetLabel"] for r in monitor["spec"]["endpoints"][0]["relabelings"]} >= {
+        "dspark_service",
+        "dspark_tier",
+    }
     dashboard = json.loads(docs[("ConfigMap", "rel-dspark-dashboard")]["data"]["dspark.json"])
     exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
-    for metric in ("dspark_request_tokens_per_second", "vllm:time_to_first_token_seconds", "dspark_desired_replicas",
-                   "vllm:spec_decode_num_accepted_tokens_per_pos_total", "dspark_sps_estimate"):
+    for metric in (
+        "dspark_request_tokens_per_second",
+        "vllm:time_to_first_token_seconds",
+        "dspark_desired_replicas",
+        "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+        "dspark_sps_estimate",
+    ):
         assert metric in exprs
 
 
@@ -127,10 +151,19 @@ def test_rbac_is_least_privilege(helm):
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        (["--set", "example.enabled=true", "--set-json",
-          'example.tiers=[{"name":"gold","ttftP95Seconds":1}]'], "tokensPerSecondPerUser"),
-        (["--set-json", 'example.tiers=[{"name":"gold","tokensPerSecondPerUser":-5,"ttftP95Seconds":1}]'],
-         "tokensPerSecondPerUser: Must be greater than 0"),
+        (
+            [
+                "--set",
+                "example.enabled=true",
+                "--set-json",
+                'example.tiers=[{"name":"gold","ttftP95Seconds":1}]',
+            ],
+            "tokensPerSecondPerUser",
+        ),
+        (
+            ["--set-json", 'example.tiers=[{"name":"gold","tokensPerSecondPerUser":-5,"ttftP95Seconds":1}]'],
+            "tokensPerSecondPerUser: Must be greater than 0",
+        ),
         (["--set", "operator.metricsPort=70000"], "metricsPort"),
         (["--set", "operator.prometheusUrl=prometheus:9090"], "prometheusUrl"),
         (["--set", "operator.unknownKnob=1"], "unknownKnob"),

@@ -20,21 +20,35 @@ import yaml
 
 RESOURCES = {
     "dspark.ai/v1alpha1/dsparkservices": kmock.ResourceInfo(
-        kind="DSparkService", namespaced=True, subresources={"status"},
-        verbs={"get", "list", "watch", "create", "patch", "update", "delete"}),
+        kind="DSparkService",
+        namespaced=True,
+        subresources={"status"},
+        verbs={"get", "list", "watch", "create", "patch", "update", "delete"},
+    ),
     "v1/namespaces": kmock.ResourceInfo(kind="Namespace", namespaced=False, verbs={"get", "list", "watch"}),
     "apiextensions.k8s.io/v1/customresourcedefinitions": kmock.ResourceInfo(
-        kind="CustomResourceDefinition", namespaced=False, verbs={"get", "list", "watch"}),
+        kind="CustomResourceDefinition", namespaced=False, verbs={"get", "list", "watch"}
+    ),
     "v1/events": kmock.ResourceInfo(kind="Event", namespaced=True, verbs={"create", "list"}),
     "v1/nodes": kmock.ResourceInfo(kind="Node", namespaced=False, verbs={"get", "list", "watch", "create"}),
-    "v1/pods": kmock.ResourceInfo(kind="Pod", namespaced=True, subresources={"log"},
-                                  verbs={"get", "list", "watch", "create", "patch", "delete"}),
-    "v1/configmaps": kmock.ResourceInfo(kind="ConfigMap", namespaced=True,
-                                        verbs={"get", "list", "create", "patch", "delete"}),
-    "v1/services": kmock.ResourceInfo(kind="Service", namespaced=True, verbs={"get", "list", "create", "patch", "delete"}),
-    "batch/v1/jobs": kmock.ResourceInfo(kind="Job", namespaced=True, verbs={"get", "list", "create", "patch", "delete"}),
-    "apps/v1/deployments": kmock.ResourceInfo(kind="Deployment", namespaced=True,
-                                              verbs={"get", "list", "create", "patch", "delete"}),
+    "v1/pods": kmock.ResourceInfo(
+        kind="Pod",
+        namespaced=True,
+        subresources={"log"},
+        verbs={"get", "list", "watch", "create", "patch", "delete"},
+    ),
+    "v1/configmaps": kmock.ResourceInfo(
+        kind="ConfigMap", namespaced=True, verbs={"get", "list", "create", "patch", "delete"}
+    ),
+    "v1/services": kmock.ResourceInfo(
+        kind="Service", namespaced=True, verbs={"get", "list", "create", "patch", "delete"}
+    ),
+    "batch/v1/jobs": kmock.ResourceInfo(
+        kind="Job", namespaced=True, verbs={"get", "list", "create", "patch", "delete"}
+    ),
+    "apps/v1/deployments": kmock.ResourceInfo(
+        kind="Deployment", namespaced=True, verbs={"get", "list", "create", "patch", "delete"}
+    ),
 }
 
 
@@ -72,7 +86,9 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         elif request.action == kmock.action.CREATE and isinstance(request.data, dict):
             # An object created for an owner that is already gone is collected too (as the real GC does).
             refs = {ref.get("uid") for ref in request.data.get("metadata", {}).get("ownerReferences") or []}
-            live = {obj.raw.get("metadata", {}).get("uid") for obj in self.objects.values() if not obj.deleted}
+            live = {
+                obj.raw.get("metadata", {}).get("uid") for obj in self.objects.values() if not obj.deleted
+            }
             if refs and not refs & live:
                 await self._collect_garbage(refs)
         return response
@@ -132,11 +148,15 @@ class EmulatedCluster:
         return str(self.server.url).rstrip("/")
 
     def kubeconfig(self) -> str:
-        return yaml.safe_dump({
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [{"name": "kmock", "cluster": {"server": self.url}}],
-            "users": [{"name": "test", "user": {"token": "test-token"}}],
-            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "test", "namespace": "default"}}],
-            "current-context": "kmock",
-        })
+        return yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "kmock", "cluster": {"server": self.url}}],
+                "users": [{"name": "test", "user": {"token": "test-token"}}],
+                "contexts": [
+                    {"name": "kmock", "context": {"cluster": "kmock", "user": "test", "namespace": "default"}}
+                ],
+                "current-context": "kmock",
+            }
+        )

@@ -15,8 +15,10 @@ PROFILE = {
     "engine": {"max_batch_tokens": 512},
     "created": "2026-01-01T00:00:00Z",
     # SPS falls as the verify batch grows: ~ 1 / (a + b * batch_tokens)
-    "points": [{"batch_tokens": b, "steps_per_second": round(1000 / (18 + 0.25 * b), 3)}
-               for b in (1, 8, 16, 32, 64, 128, 256, 512)],
+    "points": [
+        {"batch_tokens": b, "steps_per_second": round(1000 / (18 + 0.25 * b), 3)}
+        for b in (1, 8, 16, 32, 64, 128, 256, 512)
+    ],
 }
 
 SERVICE: dict[str, Any] = {
@@ -29,13 +31,30 @@ SERVICE: dict[str, Any] = {
         "nodeTypes": ["NVIDIA-H200", "NVIDIA-L40S"],
         "resources": {"limits": {"nvidia.com/gpu": 1}},
         "profiling": {"timeoutSeconds": 600, "maxAttempts": 2, "backoffSeconds": 1},
-        "autoscaling": {"intervalSeconds": 0.3, "scaleUpCooldownSeconds": 1, "scaleDownCooldownSeconds": 3,
-                        "tolerance": 0.1, "maxScaleUpFactor": 2},
+        "autoscaling": {
+            "intervalSeconds": 0.3,
+            "scaleUpCooldownSeconds": 1,
+            "scaleDownCooldownSeconds": 3,
+            "tolerance": 0.1,
+            "maxScaleUpFactor": 2,
+        },
         "tiers": [
-            {"name": "interactive", "tokensPerSecondPerUser": 40, "ttftP95Seconds": 1.0,
-             "minReplicas": 1, "maxReplicas": 4, "priority": 10},
-            {"name": "batch", "tokensPerSecondPerUser": 10, "ttftP95Seconds": 5.0,
-             "minReplicas": 1, "maxReplicas": 2, "priority": 0},
+            {
+                "name": "interactive",
+                "tokensPerSecondPerUser": 40,
+                "ttftP95Seconds": 1.0,
+                "minReplicas": 1,
+                "maxReplicas": 4,
+                "priority": 10,
+            },
+            {
+                "name": "batch",
+                "tokensPerSecondPerUser": 10,
+                "ttftP95Seconds": 5.0,
+                "minReplicas": 1,
+                "maxReplicas": 2,
+                "priority": 0,
+            },
         ],
     },
 }

@@ -19,10 +19,13 @@ from dspark_operator.scaling import (
 )
 from operator_fixtures import PROFILE
 
-CAPACITY = CapacityModel(SpsProfile.model_validate(PROFILE), accepted_per_step=2.0, verify_tokens_per_request=4.0)
+CAPACITY = CapacityModel(
+    SpsProfile.model_validate(PROFILE), accepted_per_step=2.0, verify_tokens_per_request=4.0
+)
 TARGET = TierTarget(tokens_per_second=40, ttft_p95_seconds=1.0, min_replicas=1, max_replicas=16)
-POLICY = ScalingPolicy(tolerance=0.1, scale_up_cooldown_seconds=60, scale_down_cooldown_seconds=300,
-                       max_scale_up_factor=2.0)
+POLICY = ScalingPolicy(
+    tolerance=0.1, scale_up_cooldown_seconds=60, scale_down_cooldown_seconds=300, max_scale_up_factor=2.0
+)
 INTERVAL = 15.0
 SLOTS = math.floor(CAPACITY.max_concurrency(40) * POLICY.target_utilization)
 
@@ -105,6 +108,7 @@ def test_apportion_by_priority():
 # The plant: `demand` concurrent users spread evenly over the replicas; each sees the speed the
 # profile predicts at its replica's concurrency (times a noise factor); TTFT grows past capacity.
 
+
 def plant(demand: float, replicas: int, noise: float = 1.0) -> TierMetrics:
     per_replica = demand / max(replicas, 1)
     tps = CAPACITY.per_user_tokens_per_second(per_replica) * noise if demand > 0 else None
@@ -119,8 +123,15 @@ def required(demand: float) -> int:
 def simulate(trace: list[float], noise: list[float] | None = None, start: int = 1) -> list[int]:
     replicas, memory, history = start, ScalingMemory(last_scale_time=-1e9), []
     for i, demand in enumerate(trace):
-        decision = decide(replicas, plant(demand, replicas, noise[i] if noise else 1.0), TARGET, CAPACITY, POLICY,
-                          memory, now=i * INTERVAL)
+        decision = decide(
+            replicas,
+            plant(demand, replicas, noise[i] if noise else 1.0),
+            TARGET,
+            CAPACITY,
+            POLICY,
+            memory,
+            now=i * INTERVAL,
+        )
         replicas, memory = decision.desired, decision.memory
         history.append(replicas)
     return history
@@ -177,7 +188,11 @@ def test_trace_spike():
     assert intervals_to_reach(history, 30, high) <= up_bound(low, high)
     # Down only after the stabilization window and cool-down have both passed, in one step.
     down = intervals_to_reach(history, 70, low)
-    assert POLICY.scale_down_cooldown_seconds / INTERVAL - 1 <= down <= POLICY.scale_down_cooldown_seconds / INTERVAL + 2
+    assert (
+        POLICY.scale_down_cooldown_seconds / INTERVAL - 1
+        <= down
+        <= POLICY.scale_down_cooldown_seconds / INTERVAL + 2
+    )
     assert reversals_per_window(history) <= 1
 
 
@@ -189,6 +204,6 @@ def test_trace_noisy():
     assert reversals_per_window(history) <= 1
     goal = required(100)
     assert intervals_to_reach(history, 0, goal) <= up_bound(1, goal)
-    settled = history[up_bound(1, goal):]
+    settled = history[up_bound(1, goal) :]
     assert max(settled) - min(settled) <= 1  # noise moves it at most one replica
     assert_holds_sla(history, [min(d, 100.0) for d in trace], up_bound(1, goal))

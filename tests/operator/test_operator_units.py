@@ -88,11 +88,14 @@ def test_prometheus_reader_queries_tier_series():
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             from urllib.parse import parse_qs, urlparse
+
             query = parse_qs(urlparse(self.path).query)["query"][0]
             seen.append(query)
             value = next((v for k, v in answers.items() if k in query), None)
             result = [] if value is None else [{"metric": {}, "value": [0, str(value)]}]
-            body = json.dumps({"status": "success", "data": {"resultType": "vector", "result": result}}).encode()
+            body = json.dumps(
+                {"status": "success", "data": {"resultType": "vector", "result": result}}
+            ).encode()
             self.send_response(200)
             self.end_headers()
             self.wfile.write(body)
@@ -117,7 +120,10 @@ def test_job_state():
     assert job_state(job, start + 10, timeout=60) == "Running"
     assert job_state(job, start + 61, timeout=60) == "Failed"  # past its deadline
     assert job_state({**job, "status": {"succeeded": 1}}, start, 60) == "Succeeded"
-    assert job_state({**job, "status": {"conditions": [{"type": "Failed", "status": "True"}]}}, start, 60) == "Failed"
+    assert (
+        job_state({**job, "status": {"conditions": [{"type": "Failed", "status": "True"}]}}, start, 60)
+        == "Failed"
+    )
 
 
 BODY = {**SERVICE, "metadata": {"name": "chat", "namespace": "ml", "uid": "u-1"}}
@@ -126,17 +132,25 @@ BODY = {**SERVICE, "metadata": {"name": "chat", "namespace": "ml", "uid": "u-1"}
 def test_builders_names_fit_kubernetes_limits():
     long = "a-very-long-service-name-that-keeps-going-and-going"
     name = builders.profile_job_name(long, "NVIDIA H100 80GB HBM3 (SXM)", "0123456789")
-    assert len(name) + 3 <= 63 and builders.slug("NVIDIA H100 80GB HBM3 (SXM)") != builders.slug("NVIDIA H100")
+    assert len(name) + 3 <= 63 and builders.slug("NVIDIA H100 80GB HBM3 (SXM)") != builders.slug(
+        "NVIDIA H100"
+    )
     assert len(builders.workload_name(long, "interactive-premium")) <= 63
 
 
 def test_fingerprint_changes_with_image_and_model_only():
     spec = ServiceSpec.model_validate(SERVICE["spec"])
     fp = builders.profile_fingerprint(spec, "NVIDIA-H200")
-    assert fp == builders.profile_fingerprint(ServiceSpec.model_validate(service(policy="static")["spec"]), "NVIDIA-H200")
-    assert fp != builders.profile_fingerprint(ServiceSpec.model_validate(service(image="x:2")["spec"]), "NVIDIA-H200")
+    assert fp == builders.profile_fingerprint(
+        ServiceSpec.model_validate(service(policy="static")["spec"]), "NVIDIA-H200"
+    )
+    assert fp != builders.profile_fingerprint(
+        ServiceSpec.model_validate(service(image="x:2")["spec"]), "NVIDIA-H200"
+    )
     model = {**SERVICE["spec"]["model"], "target": "other/model"}
-    assert fp != builders.profile_fingerprint(ServiceSpec.model_validate(service(model=model)["spec"]), "NVIDIA-H200")
+    assert fp != builders.profile_fingerprint(
+        ServiceSpec.model_validate(service(model=model)["spec"]), "NVIDIA-H200"
+    )
 
 
 def test_inference_service_is_raw_mode_with_pinned_replicas():
@@ -187,7 +201,9 @@ def test_crd_schema_accepts_example_and_rejects_missing_target():
 
 
 def test_config_from_env():
-    config = OperatorConfig.from_env({"DSPARK_OPERATOR_NODE_LABEL": "cloud/gpu", "DSPARK_OPERATOR_METRICS_PORT": "0"})
+    config = OperatorConfig.from_env(
+        {"DSPARK_OPERATOR_NODE_LABEL": "cloud/gpu", "DSPARK_OPERATOR_METRICS_PORT": "0"}
+    )
     assert config.node_label == "cloud/gpu" and config.metrics_port == 0
     with pytest.raises(ValueError):
         OperatorConfig.from_env({"DSPARK_OPERATOR_RECONCILE_SECONDS": "-1"})

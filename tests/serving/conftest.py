@@ -17,7 +17,9 @@ def make_replica(engine: FakeEngine | None = None, **config) -> EngineReplica:
 
 
 def make_client(replica: EngineReplica, api_key: str | None = None) -> TestClient:
-    app = build_openai_app(replica.service, BearerAuth(api_key), ready=replica.ready, metrics=replica.metrics_text)
+    app = build_openai_app(
+        replica.service, BearerAuth(api_key), ready=replica.ready, metrics=replica.metrics_text
+    )
     return TestClient(app, raise_server_exceptions=False)
 
 

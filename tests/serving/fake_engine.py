@@ -55,8 +55,14 @@ class _Req:
 class FakeEngine:
     """Same surface as LLMEngine; `step_delay_s` makes steps slow enough to observe queues."""
 
-    def __init__(self, max_num_seqs: int = 4, max_model_len: int = 256, step_delay_s: float = 0.0,
-                 policy: str = "static:3", fail_on_step: bool = False):
+    def __init__(
+        self,
+        max_num_seqs: int = 4,
+        max_model_len: int = 256,
+        step_delay_s: float = 0.0,
+        policy: str = "static:3",
+        fail_on_step: bool = False,
+    ):
         self.tokenizer = CharTokenizer()
         self.model_name = "fake-model"
         self.max_model_len = max_model_len
@@ -157,11 +163,13 @@ class FakeEngine:
                 if s in full:
                     full = full[: full.index(s)]
                     reason = "stop"
-            text = full[len(r.text):]
+            text = full[len(r.text) :]
             r.text = full
             lps = None
             if r.params.logprobs is not None:
-                lps = [TokenLogprob(t, -0.25, [(t, -0.25), (1 + t % 94, -2.0)][: r.params.logprobs]) for t in new]
+                lps = [
+                    TokenLogprob(t, -0.25, [(t, -0.25), (1 + t % 94, -2.0)][: r.params.logprobs]) for t in new
+                ]
             finished = reason is not None
             if finished:
                 self._running.remove(r)

@@ -23,8 +23,17 @@ def free_port() -> int:
 def test_config(port: int, kserve: bool) -> ServeConfig:
     """Small limits so that any accepted request stays cheap on a CPU."""
     return ServeConfig(
-        port=port, kserve=kserve, api_key=API_KEY, dtype="float32", device="cpu", max_num_seqs=16,
-        max_model_len=512, max_queue=4, max_output_tokens=64, drafter="ngram", policy="static:4",
+        port=port,
+        kserve=kserve,
+        api_key=API_KEY,
+        dtype="float32",
+        device="cpu",
+        max_num_seqs=16,
+        max_model_len=512,
+        max_queue=4,
+        max_output_tokens=64,
+        drafter="ngram",
+        policy="static:4",
         graceful_shutdown_timeout_s=5,
     )
 

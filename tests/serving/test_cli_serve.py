@@ -36,9 +36,23 @@ def served():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "service"), str(ROOT / "operator")])}
     env.pop("DSPARK_API_KEY", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dspark.cli", "serve", "--port", str(port), "--max-num-seqs", "4",
-         "--dtype", "float32"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "dspark.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--max-num-seqs",
+            "4",
+            "--dtype",
+            "float32",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         deadline = time.monotonic() + 300
@@ -49,7 +63,9 @@ def served():
             except httpx.HTTPError:
                 time.sleep(0.5)
         else:
-            raise AssertionError(f"server did not come up: {proc.stdout.read() if proc.poll() is not None else ''}")
+            raise AssertionError(
+                f"server did not come up: {proc.stdout.read() if proc.poll() is not None else ''}"
+            )
         yield proc, port
     finally:
         if proc.poll() is None:
@@ -60,7 +76,9 @@ def served():
 @pytest.mark.parametrize("doc", ["README.md", "docs/serving.md"])
 def test_documented_curl_returns_generated_text(served, doc):
     _, port = served
-    out = subprocess.run(documented_curl(doc, port), capture_output=True, text=True, timeout=120, check=True).stdout
+    out = subprocess.run(
+        documented_curl(doc, port), capture_output=True, text=True, timeout=120, check=True
+    ).stdout
     reply = json.loads(out)
     assert reply["choices"][0]["message"]["content"].strip()
     assert reply["usage"]["completion_tokens"] > 0
@@ -80,8 +98,14 @@ def test_sigterm_drains_in_flight_stream_and_leaves_nothing_running(served):
     first = threading.Event()
 
     def stream() -> None:
-        body = {"model": "smollm2-135m", "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0,
-                "ignore_eos": True, "stream": True}
+        body = {
+            "model": "smollm2-135m",
+            "prompt": "Once upon a time",
+            "max_tokens": 24,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as r:
             for line in r.iter_lines():
                 if line:

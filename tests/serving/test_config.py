@@ -20,8 +20,12 @@ def test_layers_file_then_env_then_flags(tmp_path: Path):
 def test_env_json_for_nested_and_config_file_env(tmp_path: Path):
     f = tmp_path / "c.yaml"
     f.write_text("max_num_seqs: 4\n")
-    env = {"DSPARK_CONFIG": str(f), "DSPARK_AUTOSCALING": '{"min_replicas": 0, "max_replicas": 2}',
-           "DSPARK_API_KEY": "sekret", "DSPARK_KSERVE": "true"}
+    env = {
+        "DSPARK_CONFIG": str(f),
+        "DSPARK_AUTOSCALING": '{"min_replicas": 0, "max_replicas": 2}',
+        "DSPARK_API_KEY": "sekret",
+        "DSPARK_KSERVE": "true",
+    }
     cfg = load_config(environ=env)
     assert cfg.max_num_seqs == 4 and cfg.autoscaling.max_replicas == 2 and cfg.kserve
     assert cfg.api_key.get_secret_value() == "sekret"
@@ -31,8 +35,12 @@ def test_env_json_for_nested_and_config_file_env(tmp_path: Path):
 
 @pytest.mark.parametrize(
     ("values", "needle"),
-    [({"port": "x"}, "port"), ({"bogus": 1}, "bogus"), ({"max_queue": -1}, "max_queue"),
-     ({"autoscaling": {"max_replicas": 0}}, "autoscaling.max_replicas")],
+    [
+        ({"port": "x"}, "port"),
+        ({"bogus": 1}, "bogus"),
+        ({"max_queue": -1}, "max_queue"),
+        ({"autoscaling": {"max_replicas": 0}}, "autoscaling.max_replicas"),
+    ],
 )
 def test_invalid_config_names_the_field(values, needle):
     with pytest.raises(ValueError, match=needle):
@@ -63,8 +71,12 @@ def test_print_config_shows_effective_settings(monkeypatch):
 def write_profile(path: Path) -> None:
     from dspark.profiling.sps_profile import SpsPoint, SpsProfile
 
-    SpsProfile(device="cpu", model="smollm2-135m", dtype="float32",
-               points=[SpsPoint(batch_tokens=1, steps_per_second=10.0)]).save(path)
+    SpsProfile(
+        device="cpu",
+        model="smollm2-135m",
+        dtype="float32",
+        points=[SpsPoint(batch_tokens=1, steps_per_second=10.0)],
+    ).save(path)
 
 
 def test_profile_presence(tmp_path: Path, monkeypatch):

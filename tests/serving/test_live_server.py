@@ -52,40 +52,68 @@ def metrics(server: LiveServer) -> dict[tuple[str, tuple], float]:
 
 
 def test_completion_usage_matches_tokens(client, server):
-    r = client.completions.create(model=server.model, prompt=PROMPTS[0], max_tokens=6, temperature=0,
-                                  logprobs=1, extra_body={"return_tokens_as_token_ids": True})
+    r = client.completions.create(
+        model=server.model,
+        prompt=PROMPTS[0],
+        max_tokens=6,
+        temperature=0,
+        logprobs=1,
+        extra_body={"return_tokens_as_token_ids": True},
+    )
     lp = r.choices[0].logprobs
     assert r.choices[0].text and r.usage.completion_tokens == len(lp.tokens) <= 6
     assert r.usage.prompt_tokens == 5 and r.usage.total_tokens == 5 + r.usage.completion_tokens
     assert all(t.startswith("token_id:") for t in lp.tokens) and all(v <= 0 for v in lp.token_logprobs)
-    stream = list(client.completions.create(model=server.model, prompt=PROMPTS[0], max_tokens=6, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    stream = list(
+        client.completions.create(
+            model=server.model,
+            prompt=PROMPTS[0],
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in stream if c.choices) == r.choices[0].text
     assert stream[-1].usage.completion_tokens == r.usage.completion_tokens
 
 
 def test_chat_stream_and_not(client, server):
     msgs = [{"role": "user", "content": "Name a color."}]
-    full = client.chat.completions.create(model=server.model, messages=msgs, max_tokens=6, temperature=0,
-                                          logprobs=True, top_logprobs=2)
+    full = client.chat.completions.create(
+        model=server.model, messages=msgs, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
+    )
     content = full.choices[0].message.content
     assert content and full.usage.completion_tokens == len(full.choices[0].logprobs.content) <= 6
     assert all(len(t.top_logprobs) == 2 for t in full.choices[0].logprobs.content)
-    chunks = list(client.chat.completions.create(model=server.model, messages=msgs, max_tokens=6, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=server.model,
+            messages=msgs,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == content
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
     assert [m.id for m in client.models.list().data] == [server.model]
 
 
 def test_concurrent_streams_are_independent_and_equal_solo_outputs(client, server):
-    solo = {p: client.completions.create(model=server.model, prompt=p, max_tokens=6, temperature=0).choices[0].text
-            for p in PROMPTS}
+    solo = {
+        p: client.completions.create(model=server.model, prompt=p, max_tokens=6, temperature=0)
+        .choices[0]
+        .text
+        for p in PROMPTS
+    }
     aclient = openai.AsyncOpenAI(base_url=server.openai_base, api_key=API_KEY, max_retries=0, timeout=300)
 
     async def one(prompt: str) -> str:
-        stream = await aclient.completions.create(model=server.model, prompt=prompt, max_tokens=6,
-                                                  temperature=0, stream=True)
+        stream = await aclient.completions.create(
+            model=server.model, prompt=prompt, max_tokens=6, temperature=0, stream=True
+        )
         return "".join([c.choices[0].text async for c in stream if c.choices])
 
     async def main():
@@ -99,8 +127,14 @@ def test_concurrent_streams_are_independent_and_equal_solo_outputs(client, serve
 
 
 def test_disconnects_free_slots_and_memory_stays_bounded(server):
-    body = {"model": server.model, "prompt": "Write a long story about a dragon.", "max_tokens": 64,
-            "ignore_eos": True, "temperature": 0.8, "stream": True}
+    body = {
+        "model": server.model,
+        "prompt": "Write a long story about a dragon.",
+        "max_tokens": 64,
+        "ignore_eos": True,
+        "temperature": 0.8,
+        "stream": True,
+    }
     # Each request would run 64 tokens; every client leaves after its first event.
 
     async def drop_after_first_event(c: httpx.AsyncClient) -> None:
@@ -133,8 +167,12 @@ def test_disconnects_free_slots_and_memory_stays_bounded(server):
     after = settled[("process_resident_memory_bytes", ())]
     total = warmup + measured
     generated = settled[("vllm:generation_tokens_total", ())] - start
-    assert generated < total * 64 / 4, f"{generated} tokens for {total} abandoned requests: aborts did not stop them"
-    assert after - before < 64 * 2**20, f"replica RSS grew {(after - before) / 2**20:.0f} MiB over {measured} requests"
+    assert generated < total * 64 / 4, (
+        f"{generated} tokens for {total} abandoned requests: aborts did not stop them"
+    )
+    assert after - before < 64 * 2**20, (
+        f"replica RSS grew {(after - before) / 2**20:.0f} MiB over {measured} requests"
+    )
 
 
 def test_over_capacity_gets_429_quickly_and_server_survives(server):
@@ -155,7 +193,10 @@ def test_over_capacity_gets_429_quickly_and_server_survives(server):
     rejected = [(dt, ra) for code, dt, ra in results if code == 429]
     assert all(dt < 5.0 and ra == "1" for dt, ra in rejected)
     assert httpx.get(server.base + "/health", timeout=10).status_code == 200
-    assert httpx.post(server.openai_base + "/completions", json=body, headers=AUTH, timeout=120).status_code == 200
+    assert (
+        httpx.post(server.openai_base + "/completions", json=body, headers=AUTH, timeout=120).status_code
+        == 200
+    )
 
 
 def test_api_key_required_and_rejected_requests_never_reach_the_engine(server):
@@ -188,9 +229,17 @@ BAD_BODIES = [
 def test_bad_input_is_4xx_with_openai_error(server):
     for body in BAD_BODIES:
         r = httpx.post(server.openai_base + "/completions", json=body, headers=AUTH, timeout=30)
-        assert 400 <= r.status_code < 500 and set(r.json()["error"]) >= {"message", "type", "param", "code"}, body
-    bad_chat = [{"model": server.model, "messages": []}, {"model": server.model, "messages": [{"role": "user"}]},
-                {"model": server.model, "messages": [{"role": "user", "content": 5}]}]
+        assert 400 <= r.status_code < 500 and set(r.json()["error"]) >= {
+            "message",
+            "type",
+            "param",
+            "code",
+        }, body
+    bad_chat = [
+        {"model": server.model, "messages": []},
+        {"model": server.model, "messages": [{"role": "user"}]},
+        {"model": server.model, "messages": [{"role": "user", "content": 5}]},
+    ]
     for body in bad_chat:
         r = httpx.post(server.openai_base + "/chat/completions", json=body, headers=AUTH, timeout=30)
         assert r.status_code == 400, body
@@ -216,16 +265,21 @@ def test_kserve_v2_round_trip(server):
     assert httpx.get(server.base + "/v2/health/ready", timeout=10).status_code == 200
     meta = httpx.get(f"{server.base}/v2/models/{server.model}", headers=AUTH, timeout=10).json()
     assert meta["inputs"][0]["name"] == "text_input" and meta["outputs"][0]["datatype"] == "BYTES"
-    req = {"inputs": [{"name": "text_input", "shape": [2], "datatype": "BYTES", "data": PROMPTS[:2]}],
-           "parameters": {"max_tokens": 5, "temperature": 0}}
+    req = {
+        "inputs": [{"name": "text_input", "shape": [2], "datatype": "BYTES", "data": PROMPTS[:2]}],
+        "parameters": {"max_tokens": 5, "temperature": 0},
+    }
     r = httpx.post(f"{server.base}/v2/models/{server.model}/infer", json=req, headers=AUTH, timeout=120)
     assert r.status_code == 200, r.text
     out = r.json()["outputs"][0]
     assert out["name"] == "text_output" and len(out["data"]) == 2 and all(out["data"])
     solo = openai.OpenAI(base_url=server.openai_base, api_key=API_KEY, max_retries=0).completions.create(
-        model=server.model, prompt=PROMPTS[0], max_tokens=5, temperature=0)
+        model=server.model, prompt=PROMPTS[0], max_tokens=5, temperature=0
+    )
     assert out["data"][0] == solo.choices[0].text
-    assert httpx.post(f"{server.base}/v2/models/{server.model}/infer", json=req, timeout=30).status_code == 401
+    assert (
+        httpx.post(f"{server.base}/v2/models/{server.model}/infer", json=req, timeout=30).status_code == 401
+    )
     bad = {**req, "parameters": {"max_tokens": -4}}
     r = httpx.post(f"{server.base}/v2/models/{server.model}/infer", json=bad, headers=AUTH, timeout=30)
     assert r.status_code == 400

@@ -40,8 +40,16 @@ def test_completion_and_usage(client):
 
 def test_streamed_completion_equals_non_streamed(client):
     c = oai(client)
-    chunks = list(c.completions.create(model="fake-model", prompt="Hello", max_tokens=9, temperature=0, stream=True,
-                                       stream_options={"include_usage": True}))
+    chunks = list(
+        c.completions.create(
+            model="fake-model",
+            prompt="Hello",
+            max_tokens=9,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == expected_text("Hello", 9)
     assert chunks[-1].usage.completion_tokens == 9 and chunks[-1].choices == []
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
@@ -55,10 +63,21 @@ def test_chat_stream_and_not(client):
     assert full.choices[0].message.content == expected_text(prompt, 7)
     assert full.choices[0].message.role == "assistant"
     assert full.usage.prompt_tokens == len(TOK.encode(prompt)) and full.usage.completion_tokens == 7
-    stream = list(c.chat.completions.create(model="fake-model", messages=msgs, max_tokens=7, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    stream = list(
+        c.chat.completions.create(
+            model="fake-model",
+            messages=msgs,
+            max_tokens=7,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert stream[0].choices[0].delta.role == "assistant"
-    assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == full.choices[0].message.content
+    assert (
+        "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+        == full.choices[0].message.content
+    )
     assert stream[-1].usage.total_tokens == full.usage.total_tokens
 
 
@@ -72,25 +91,44 @@ def test_seeded_sampling_is_reproducible(client):
 def test_stop_string(client):
     text = expected_text("Hello", 20)
     stop = text[5]  # one character: the fake engine does not hold back partial stop matches
-    r = oai(client).completions.create(model="fake-model", prompt="Hello", max_tokens=20, temperature=0, stop=[stop])
+    r = oai(client).completions.create(
+        model="fake-model", prompt="Hello", max_tokens=20, temperature=0, stop=[stop]
+    )
     assert r.choices[0].finish_reason == "stop" and r.choices[0].text == text[: text.index(stop)]
 
 
 def test_completion_logprobs_and_token_ids(client):
-    r = oai(client).completions.create(model="fake-model", prompt="Hello", max_tokens=4, temperature=0, logprobs=2)
+    r = oai(client).completions.create(
+        model="fake-model", prompt="Hello", max_tokens=4, temperature=0, logprobs=2
+    )
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == 4 and "".join(lp.tokens) == r.choices[0].text
     assert lp.token_logprobs == [-0.25] * 4 and all(len(t) == 2 for t in lp.top_logprobs)
     assert lp.text_offset == [0, 1, 2, 3]
-    r2 = client.post("/v1/completions", json={"model": "fake-model", "prompt": [40, 41], "max_tokens": 3,
-                                              "temperature": 0, "logprobs": 0, "return_tokens_as_token_ids": True})
+    r2 = client.post(
+        "/v1/completions",
+        json={
+            "model": "fake-model",
+            "prompt": [40, 41],
+            "max_tokens": 3,
+            "temperature": 0,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+        },
+    )
     tokens = r2.json()["choices"][0]["logprobs"]["tokens"]
     assert all(t.startswith("token_id:") for t in tokens) and len(tokens) == 3
 
 
 def test_chat_logprobs(client):
-    r = oai(client).chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "Hi"}],
-                                            max_tokens=3, temperature=0, logprobs=True, top_logprobs=2)
+    r = oai(client).chat.completions.create(
+        model="fake-model",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == 3 and "".join(t.token for t in content) == r.choices[0].message.content
     assert all(len(t.top_logprobs) == 2 and t.logprob == -0.25 for t in content)
@@ -113,13 +151,28 @@ BAD = [
     ("/v1/completions", {"model": "fake-model", "prompt": [10**6]}, "prompt"),
     ("/v1/completions", {"model": "fake-model", "prompt": "x" * 300}, "prompt"),
     ("/v1/completions", {"model": "fake-model", "prompt": "x", "stop": [""]}, "stop"),
-    ("/v1/completions", {"model": "fake-model", "prompt": "x", "stream_options": {"include_usage": True}}, "stream"),
+    (
+        "/v1/completions",
+        {"model": "fake-model", "prompt": "x", "stream_options": {"include_usage": True}},
+        "stream",
+    ),
     ("/v1/chat/completions", {"model": "fake-model", "messages": []}, "messages"),
-    ("/v1/chat/completions", {"model": "fake-model", "messages": [{"role": "user", "content": ""}]}, "messages"),
-    ("/v1/chat/completions", {"model": "fake-model", "messages": [{"role": "wizard", "content": "x"}]}, "role"),
+    (
+        "/v1/chat/completions",
+        {"model": "fake-model", "messages": [{"role": "user", "content": ""}]},
+        "messages",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "fake-model", "messages": [{"role": "wizard", "content": "x"}]},
+        "role",
+    ),
     ("/v1/chat/completions", {"model": "fake-model", "messages": "hello"}, "messages"),
-    ("/v1/chat/completions", {"model": "fake-model", "messages": [{"role": "user", "content": "x"}],
-                              "top_logprobs": 3}, "logprobs"),
+    (
+        "/v1/chat/completions",
+        {"model": "fake-model", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
+        "logprobs",
+    ),
     ("/v1/chat/completions", [1, 2, 3], "body"),
 ]
 
@@ -159,8 +212,9 @@ def test_api_key_guards_inference_but_not_probes():
             ok = c.post("/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"})
             assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
             with pytest.raises(openai.AuthenticationError):
-                openai.OpenAI(base_url="http://testserver/v1", api_key="bad", http_client=c,
-                              max_retries=0).models.list()
+                openai.OpenAI(
+                    base_url="http://testserver/v1", api_key="bad", http_client=c, max_retries=0
+                ).models.list()
     finally:
         replica.shutdown()
 
@@ -196,20 +250,27 @@ def test_metrics_exposed_and_consistent(client):
     s = _samples(text)
     draft = s[("vllm:spec_decode_num_draft_tokens_total", ())]
     accepted = s[("vllm:spec_decode_num_accepted_tokens_total", ())]
-    per_pos = sum(v for (n, labels), v in s.items() if n == "vllm:spec_decode_num_accepted_tokens_per_pos_total")
+    per_pos = sum(
+        v for (n, labels), v in s.items() if n == "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    )
     assert 0 < accepted <= draft and per_pos == accepted
     assert s[("vllm:generation_tokens_total", ())] == 30
     assert s[("vllm:prompt_tokens_total", ())] == 6
     assert s[("vllm:e2e_request_latency_seconds_count", ())] == 3
     assert s[("vllm:time_to_first_token_seconds_count", ())] == 3
     assert s[("vllm:num_requests_running", ())] == 0
-    assert s[("dspark_verify_budget_count", ())] > 0 and s[("dspark_sps_estimate", ())] == pytest.approx(100.0)
+    assert s[("dspark_verify_budget_count", ())] > 0 and s[("dspark_sps_estimate", ())] == pytest.approx(
+        100.0
+    )
     assert s[("dspark_confidence_calibration_error", ())] == pytest.approx(0.1 * accepted / draft)
 
 
 def test_sse_wire_format(client):
-    with client.stream("POST", "/v1/completions", json={"model": "fake-model", "prompt": "ab", "max_tokens": 4,
-                                                       "temperature": 0, "stream": True}) as r:
+    with client.stream(
+        "POST",
+        "/v1/completions",
+        json={"model": "fake-model", "prompt": "ab", "max_tokens": 4, "temperature": 0, "stream": True},
+    ) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         lines = [ln for ln in r.iter_lines() if ln]
     assert lines[-1] == "data: [DONE]" and all(ln.startswith("data: ") for ln in lines)

@@ -11,8 +11,12 @@ from dspark.serving.config import load_config
 
 
 @click.command()
-@click.option("--config", "config_file", type=click.Path(dir_okay=False, path_type=Path),
-              help="YAML settings file (also DSPARK_CONFIG); flags and DSPARK_* variables override it.")
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="YAML settings file (also DSPARK_CONFIG); flags and DSPARK_* variables override it.",
+)
 @click.option("--target", help="Model name or HF-format directory.  [default: smollm2-135m]")
 @click.option("--drafter", help="none | ngram | a drafter checkpoint directory.")
 @click.option("--policy", help="Verify-length policy: none | static:K | full | ...")
@@ -24,11 +28,15 @@ from dspark.serving.config import load_config
 @click.option("--max-batch-tokens", type=int, help="Token budget of one forward.")
 @click.option("--host", help="Address to bind.  [default: 127.0.0.1]")
 @click.option("--port", type=int, help="HTTP port.  [default: 8000]")
-@click.option("--api-key", help="Require `Authorization: Bearer <key>` on inference routes (also DSPARK_API_KEY).")
+@click.option(
+    "--api-key", help="Require `Authorization: Bearer <key>` on inference routes (also DSPARK_API_KEY)."
+)
 @click.option("--served-model-name", help="Model id clients use.  [default: the target's name]")
 @click.option("--max-queue", type=int, help="Requests that may wait beyond --max-num-seqs before 429.")
 @click.option("--num-replicas", type=int, help="Engine replicas (each owns one engine).")
-@click.option("--kserve/--no-kserve", default=None, help="Serve through kserve.ModelServer (v2 + /openai/v1).")
+@click.option(
+    "--kserve/--no-kserve", default=None, help="Serve through kserve.ModelServer (v2 + /openai/v1)."
+)
 @click.option("--print-config", is_flag=True, help="Print the effective configuration and exit.")
 def serve(config_file: Path | None, print_config: bool, **flags) -> None:
     """Serve the target with DSpark speculative decoding over HTTP (OpenAI-compatible API)."""

@@ -41,7 +41,9 @@ def load_drafter(
     from dspark.drafters.dspark_model import DSparkModel
     from dspark.drafters.eagle3_drafter import Eagle3Drafter
 
-    model = load_draft_model(path, target=target_config, shared=shared, device=device, dtype=dtype, gamma=gamma)
+    model = load_draft_model(
+        path, target=target_config, shared=shared, device=device, dtype=dtype, gamma=gamma
+    )
     if isinstance(model, DSparkModel):
         return DSparkDrafter(model, Calibration.find(path, model.config.gamma))
     return Eagle3Drafter(model)

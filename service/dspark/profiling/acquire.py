@@ -32,7 +32,9 @@ def acquire_profile(engine, path: str | None = None, strict: bool = False) -> Sp
     try:
         profile = SpsProfile.load(source)
         profile.ensure_matches(model, dtype, device)
-        log.info("using SPS profile %s (%d points, measured %s)", source, len(profile.points), profile.created)
+        log.info(
+            "using SPS profile %s (%d points, measured %s)", source, len(profile.points), profile.created
+        )
         return profile
     except ProfileError as e:
         if strict:
@@ -40,7 +42,9 @@ def acquire_profile(engine, path: str | None = None, strict: bool = False) -> Sp
         if source != cached or source.exists():
             log.warning("%s; profiling this engine instead", e)
         else:
-            log.info("no SPS profile for %s / %s / %s yet; profiling this engine (once)", model, dtype, device)
+            log.info(
+                "no SPS profile for %s / %s / %s yet; profiling this engine (once)", model, dtype, device
+            )
     from dspark.profiling.profiler import profile_engine
 
     profile = profile_engine(engine)

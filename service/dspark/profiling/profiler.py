@@ -78,7 +78,9 @@ def profile_engine(
         if progress:
             progress(b, 1.0 / seconds)
     return SpsProfile(
-        device=current_device_name() if engine.device.type != "cuda" else torch.cuda.get_device_name(engine.device),
+        device=current_device_name()
+        if engine.device.type != "cuda"
+        else torch.cuda.get_device_name(engine.device),
         node_type=node_type(),
         model=engine.model_name,
         dtype=str(engine.dtype).removeprefix("torch."),

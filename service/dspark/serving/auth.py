@@ -36,5 +36,9 @@ class BearerAuth:
         scheme, _, token = authorization.partition(" ")
         # compare_digest: the check takes the same time whatever prefix of the key a caller guessed
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._key):
-            raise APIError(401, "Invalid or missing API key: send `Authorization: Bearer <key>`.",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            raise APIError(
+                401,
+                "Invalid or missing API key: send `Authorization: Bearer <key>`.",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )

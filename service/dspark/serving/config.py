@@ -59,9 +59,13 @@ class ServeConfig(BaseModel):
     # HTTP front end.
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
-    served_model_name: str | None = Field(None, description="Model id in the API; default: the target's name.")
+    served_model_name: str | None = Field(
+        None, description="Model id in the API; default: the target's name."
+    )
     api_key: SecretStr | None = Field(None, description="Bearer token required on inference routes.")
-    kserve: bool = Field(False, description="Serve through kserve.ModelServer (OpenAI routes under /openai, v2).")
+    kserve: bool = Field(
+        False, description="Serve through kserve.ModelServer (OpenAI routes under /openai, v2)."
+    )
 
     # Load protection.
     max_queue: int = Field(64, ge=0, description="Requests allowed to wait beyond max_num_seqs before 429.")
@@ -73,7 +77,9 @@ class ServeConfig(BaseModel):
     # Replicas.
     num_replicas: int = Field(1, ge=1)
     autoscaling: AutoscalingSettings | None = None
-    num_cpus_per_replica: float | None = Field(None, gt=0, description="Default: the machine's CPUs / max replicas.")
+    num_cpus_per_replica: float | None = Field(
+        None, gt=0, description="Default: the machine's CPUs / max replicas."
+    )
     num_gpus_per_replica: float = Field(0.0, ge=0)
 
     # Scheduler inputs.
@@ -159,5 +165,7 @@ def load_config(
     try:
         return ServeConfig.model_validate(values)
     except ValidationError as e:
-        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg']}" for err in e.errors())
+        problems = "; ".join(
+            f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg']}" for err in e.errors()
+        )
         raise ValueError(f"invalid serve configuration: {problems}") from None

@@ -53,7 +53,9 @@ class EngineBackend:
     def __init__(self, config: dict[str, Any], engine_factory: EngineFactory | None = None):
         self.replica = _replica(config, engine_factory)
 
-    async def openai(self, route: str, body: CompletionRequest | ChatCompletionRequest) -> AsyncIterator[Frame]:
+    async def openai(
+        self, route: str, body: CompletionRequest | ChatCompletionRequest
+    ) -> AsyncIterator[Frame]:
         async for frame in self.replica.openai(route, body):
             yield frame
 

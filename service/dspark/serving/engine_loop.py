@@ -146,7 +146,9 @@ class EngineLoop:
             return
         on_output = self._tracking(cmd.request_id, cmd.on_output)
         try:
-            rid = self.engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.request_id, on_output=on_output)
+            rid = self.engine.add_request(
+                cmd.prompt_token_ids, cmd.params, cmd.request_id, on_output=on_output
+            )
         except ValueError as e:
             cmd.accepted.set_exception(e)
             return

@@ -68,9 +68,13 @@ class DSparkRayModel(kserve.ray.RayModel):
         params = dict(body.parameters or {})
         result = await self._handle.infer_v2.remote(texts, params)
         if isinstance(result, JSONReply):
-            raise HTTPException(result.status, result.body.get("error") or result.body, headers=result.headers or None)
+            raise HTTPException(
+                result.status, result.body.get("error") or result.body, headers=result.headers or None
+            )
         out = InferOutput(name=V2_OUTPUT, shape=[len(result)], datatype="BYTES", data=result)
-        return InferResponse(response_id=body.id or uuid.uuid4().hex, model_name=self.name, infer_outputs=[out]), {}
+        return InferResponse(
+            response_id=body.id or uuid.uuid4().hex, model_name=self.name, infer_outputs=[out]
+        ), {}
 
 
 def _input_texts(body: InferRequest) -> list[str]:
@@ -138,7 +142,9 @@ def _install_front_routes(app: FastAPI, handle: Any, auth: BearerAuth) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         # The engine's metrics (from a replica) followed by the KServe front end's own.
-        return Response(await handle.metrics_text.remote() + generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+        return Response(
+            await handle.metrics_text.remote() + generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST
+        )
 
     if auth.enabled:
 
@@ -161,8 +167,9 @@ def build_kserve_server(config: ServeConfig, handle: Any, model_name: str) -> RE
     _install_front_routes(kserve.model_server.app, handle, BearerAuth(key))
     model = DSparkRayModel(model_name, handle)
     model.load()
-    server = kserve.ModelServer(http_port=config.port, enable_grpc=False,
-                                grace_period=int(config.graceful_shutdown_timeout_s))
+    server = kserve.ModelServer(
+        http_port=config.port, enable_grpc=False, grace_period=int(config.graceful_shutdown_timeout_s)
+    )
     server.register_model(model)
     rest = RESTServer(
         kserve.model_server.FASTAPI_APP_IMPORT_STRING,

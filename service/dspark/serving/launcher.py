@@ -37,12 +37,16 @@ def serve_forever(config: ServeConfig, announce=print) -> None:
             from dspark.serving.kserve_model import build_kserve_server, deploy_engine_backend
 
             handle, name = deploy_engine_backend(config)
-            announce(f"KServe model `{name}` on http://{config.host}:{config.port} "
-                     f"(v2: /v2/models/{name}/infer, OpenAI: /openai/v1)")
+            announce(
+                f"KServe model `{name}` on http://{config.host}:{config.port} "
+                f"(v2: /v2/models/{name}/infer, OpenAI: /openai/v1)"
+            )
             build_kserve_server(config, handle, name).run()
         else:
             run_openai_server(config)
-            announce(f"DSpark Serve on http://{config.host}:{config.port} (OpenAI API under /v1); Ctrl-C stops it")
+            announce(
+                f"DSpark Serve on http://{config.host}:{config.port} (OpenAI API under /v1); Ctrl-C stops it"
+            )
             threading.Event().wait()
     except KeyboardInterrupt:
         announce("shutting down: draining in-flight requests")

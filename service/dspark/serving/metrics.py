@@ -10,8 +10,45 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 
 from dspark.engine.outputs import StepStats
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
-_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+)
 _TOKENS_PER_S_BUCKETS = (1, 2, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000)
 _BUDGET_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -64,31 +101,54 @@ class ServingMetrics:
         self.num_running = gauge("vllm:num_requests_running", "Requests in the running batch.")
         self.num_waiting = gauge("vllm:num_requests_waiting", "Requests waiting for a slot.")
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
-        self.itl = histogram("vllm:inter_token_latency_seconds", "Gap between generated tokens.", _LATENCY_BUCKETS)
-        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.", _E2E_BUCKETS)
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds", "Gap between generated tokens.", _LATENCY_BUCKETS
+        )
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.", _E2E_BUCKETS
+        )
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
         self.num_drafts = counter("vllm:spec_decode_num_drafts", "Verification rounds with a draft.")
         self.draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.")
         self.accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self.accepted_per_pos = counter(
-            "vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position.", ("position",)
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position.",
+            ("position",),
         )
         self.tokens_per_s = histogram(
             "dspark_request_tokens_per_second", "Per-request decode speed.", _TOKENS_PER_S_BUCKETS
         )
-        self.verify_budget = histogram("dspark_verify_budget", "Draft tokens verified per request per step.", _BUDGET_BUCKETS)
-        self.verify_batch = histogram("dspark_verify_batch_tokens", "Tokens in one verification forward.", _BATCH_BUCKETS)
+        self.verify_budget = histogram(
+            "dspark_verify_budget", "Draft tokens verified per request per step.", _BUDGET_BUCKETS
+        )
+        self.verify_batch = histogram(
+            "dspark_verify_batch_tokens", "Tokens in one verification forward.", _BATCH_BUCKETS
+        )
         self.sps = gauge("dspark_sps_estimate", "Verification steps per second (smoothed, measured).")
-        self.scheduler_s = histogram("dspark_scheduler_seconds", "Verify-length scheduling time per step.", _SCHED_BUCKETS)
+        self.scheduler_s = histogram(
+            "dspark_scheduler_seconds", "Verify-length scheduling time per step.", _SCHED_BUCKETS
+        )
         self.calibration_error = gauge(
             "dspark_confidence_calibration_error",
             "|observed - predicted| accepted draft tokens / draft tokens over a recent window.",
         )
         # Create every series up front so dashboards and scrapers see zeros rather than gaps.
-        for metric in (self.ttft, self.itl, self.e2e, self.prompt_tokens, self.generation_tokens, self.num_drafts,
-                       self.draft_tokens, self.accepted_tokens, self.tokens_per_s, self.verify_budget,
-                       self.verify_batch, self.scheduler_s):
+        for metric in (
+            self.ttft,
+            self.itl,
+            self.e2e,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.num_drafts,
+            self.draft_tokens,
+            self.accepted_tokens,
+            self.tokens_per_s,
+            self.verify_budget,
+            self.verify_batch,
+            self.scheduler_s,
+        ):
             metric.labels(self._model)
         for m in (self.num_running, self.num_waiting):
             m.labels(self._model).set(0)

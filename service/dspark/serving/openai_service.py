@@ -119,8 +119,12 @@ class OpenAIService:
     # Request validation --------------------------------------------------------------------------
     def _check_model(self, name: str) -> None:
         if name not in self._names:
-            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
+                param="model",
+                code="model_not_found",
+            )
 
     def _completion_prompt(self, req: CompletionRequest) -> list[int]:
         if isinstance(req.prompt, str):
@@ -129,14 +133,18 @@ class OpenAIService:
             ids = list(req.prompt)
             bad = [t for t in ids if t >= self._vocab_size]
             if bad:
-                raise bad_request(f"token id {bad[0]} is outside the vocabulary (size {self._vocab_size})", "prompt")
+                raise bad_request(
+                    f"token id {bad[0]} is outside the vocabulary (size {self._vocab_size})", "prompt"
+                )
         if not ids:
             raise bad_request("the prompt is empty after tokenization", "prompt")
         return ids
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
-            raise bad_request(f"the model `{self.model_name}` has no chat template; use /v1/completions", "messages")
+            raise bad_request(
+                f"the model `{self.model_name}` has no chat template; use /v1/completions", "messages"
+            )
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
             text = self.tokenizer.apply_chat_template(
@@ -150,30 +158,37 @@ class OpenAIService:
         return ids
 
     def _sampling_params(
-        self, req: CompletionRequest | ChatCompletionRequest, prompt_len: int, max_tokens: int | None,
+        self,
+        req: CompletionRequest | ChatCompletionRequest,
+        prompt_len: int,
+        max_tokens: int | None,
         logprobs: int | None,
     ) -> SamplingParams:
         lim = self.limits
         if prompt_len > lim.max_prompt_tokens:
             raise bad_request(
-                f"the prompt has {prompt_len} tokens; the limit is {lim.max_prompt_tokens}", "messages"
-                if isinstance(req, ChatCompletionRequest) else "prompt"
+                f"the prompt has {prompt_len} tokens; the limit is {lim.max_prompt_tokens}",
+                "messages" if isinstance(req, ChatCompletionRequest) else "prompt",
             )
         room = lim.max_model_len - prompt_len
         if room < 1:
             raise bad_request(
                 f"This model's maximum context length is {lim.max_model_len} tokens; the prompt has "
-                f"{prompt_len} tokens, which leaves no room for output.", "prompt"
+                f"{prompt_len} tokens, which leaves no room for output.",
+                "prompt",
             )
         if max_tokens is None:
             max_tokens = min(room, lim.max_output_tokens)
         if max_tokens > lim.max_output_tokens:
-            raise bad_request(f"max_tokens is {max_tokens}; the limit is {lim.max_output_tokens}", "max_tokens")
+            raise bad_request(
+                f"max_tokens is {max_tokens}; the limit is {lim.max_output_tokens}", "max_tokens"
+            )
         if max_tokens > room:
             raise bad_request(
                 f"This model's maximum context length is {lim.max_model_len} tokens. However, you requested "
                 f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the "
-                "completion). Please reduce the prompt or max_tokens.", "max_tokens"
+                "completion). Please reduce the prompt or max_tokens.",
+                "max_tokens",
             )
         try:
             return SamplingParams(
@@ -199,8 +214,11 @@ class OpenAIService:
         try:
             stream = await ctx.__aenter__()
         except QueueFull as e:
-            yield JSONReply(429, error_body(429, f"server is at capacity ({e}); retry later", code="rate_limit_exceeded"),
-                            {"Retry-After": str(self.limits.retry_after_s)})
+            yield JSONReply(
+                429,
+                error_body(429, f"server is at capacity ({e}); retry later", code="rate_limit_exceeded"),
+                {"Retry-After": str(self.limits.retry_after_s)},
+            )
             return
         except EngineStopped as e:
             yield JSONReply(503, error_body(503, str(e)), {"Retry-After": str(self.limits.retry_after_s)})
@@ -258,7 +276,9 @@ class _Timing:
 class _Renderer:
     """Turns engine outputs into OpenAI response bodies (whole or as stream chunks)."""
 
-    def __init__(self, kind: str, rid: str, model: str, tokenizer: Any, req: Any, prompt_len: int, created: int):
+    def __init__(
+        self, kind: str, rid: str, model: str, tokenizer: Any, req: Any, prompt_len: int, created: int
+    ):
         self.kind, self.rid, self.model, self.tok, self.req = kind, rid, model, tokenizer, req
         self.prompt_len = prompt_len
         self.created = created
@@ -320,14 +340,24 @@ class _Renderer:
         if any(o.logprobs is not None for o in outs):
             lps = self._logprobs([lp for o in outs for lp in (o.logprobs or [])])
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lps,
-                      "finish_reason": last.finish_reason}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": lps,
+                "finish_reason": last.finish_reason,
+            }
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": text, "logprobs": lps, "finish_reason": last.finish_reason}
             obj = "text_completion"
-        body = {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
-                "choices": [choice], "usage": self._usage(n)}
+        body = {
+            "id": self.rid,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": self._usage(n),
+        }
         return JSONReply(200, body)
 
     def chunks(self, out: RequestOutput) -> list[dict[str, Any]]:
@@ -348,14 +378,28 @@ class _Renderer:
         else:
             choice = {"index": 0, "text": out.new_text, "logprobs": lps, "finish_reason": out.finish_reason}
             obj = "text_completion"
-        chunk = {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+        chunk = {
+            "id": self.rid,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
         if self.include_usage:
             chunk["usage"] = None
         if out.new_text or out.finished or lps or choice.get("delta"):
             events.append(chunk)
         if out.finished and self.include_usage:
-            events.append({"id": self.rid, "object": obj, "created": self.created, "model": self.model,
-                           "choices": [], "usage": self._usage(self.num_tokens)})
+            events.append(
+                {
+                    "id": self.rid,
+                    "object": obj,
+                    "created": self.created,
+                    "model": self.model,
+                    "choices": [],
+                    "usage": self._usage(self.num_tokens),
+                }
+            )
         return events
 
 

@@ -50,7 +50,11 @@ class EngineReplica:
             retry_after_s=config.retry_after_s,
         )
         self.service = OpenAIService(
-            self.client, self.engine.tokenizer, self.model_name, limits, self.metrics,
+            self.client,
+            self.engine.tokenizer,
+            self.model_name,
+            limits,
+            self.metrics,
             aliases=(self.engine.model_name,),
         )
         self.loop.start()
@@ -69,7 +73,9 @@ class EngineReplica:
     def shutdown(self) -> None:
         self.loop.stop(self.config.graceful_shutdown_timeout_s)
 
-    async def openai(self, route: str, body: CompletionRequest | ChatCompletionRequest) -> AsyncIterator[Frame]:
+    async def openai(
+        self, route: str, body: CompletionRequest | ChatCompletionRequest
+    ) -> AsyncIterator[Frame]:
         """The OpenAI handlers by route name, for callers in other processes (the KServe front end)."""
         frames = self.service.chat(body) if route == "chat" else self.service.completion(body)
         try:
