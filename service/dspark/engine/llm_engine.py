@@ -15,7 +15,7 @@ from dspark.drafters.base import DraftBlock, Drafter
 from dspark.drafters.checkpoint import SharedWeights
 from dspark.drafters.factory import load_drafter
 from dspark.engine.config import EngineConfig, resolve_device, resolve_dtype
-from dspark.engine.kv_cache import KVCache
+from dspark.engine.kv_cache import KVCache, check_kv_budget
 from dspark.engine.model_runner import ModelRunner, StepForward
 from dspark.engine.outputs import RequestOutput, RequestStats, StepStats, TokenLogprob
 from dspark.engine.request import Request
@@ -74,6 +74,8 @@ class LLMEngine:
         self.model_name = model_name
         self.max_model_len = min(config.max_model_len, model.config.max_position_embeddings)
         mc = model.config
+        per_token = KVCache.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, head_dim(mc), dtype)
+        check_kv_budget(per_token, config.max_num_seqs, self.max_model_len, device)
         self.cache = KVCache(
             mc.num_hidden_layers,
             config.max_num_seqs,
