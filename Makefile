@@ -1,4 +1,4 @@
-# One venv for everything; `make run` and `make test` set it up on first use.
+# One venv for everything; `make serve`, `make run` and `make test` set it up on first use.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
