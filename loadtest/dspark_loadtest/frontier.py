@@ -22,8 +22,9 @@ class FrontierPoint:
     tokens_per_s_per_user_p50: float | None
     tokens_per_s_per_user_p10: float | None
     ttft_p95_s: float | None
-    requests: int
+    requests: int  # finished
     failures: int
+    cut: int  # still streaming at the end; their tokens and speeds so far count
 
 
 @dataclass
@@ -38,14 +39,16 @@ def sweep(host: str, label: str, concurrency: list[int], seconds: float, out_dir
     points = []
     for c in concurrency:
         prefix = out_dir / "runs" / f"{_slug(label)}-c{c}"
-        result = run_scenario(host, prefix, seconds, {**options, "concurrency": c, "scenario_seconds": seconds})
+        # Requests cut at the end still count (their tokens and speeds so far), so no long drain is needed.
+        result = run_scenario(host, prefix, seconds, {**options, "concurrency": c, "scenario_seconds": seconds},
+                              stop_timeout_s=1)
         report = result.report
         if report is None:  # an SLA breach still writes a report; no report means the run itself failed
             raise RuntimeError(f"frontier run {label} at concurrency {c} failed (exit {result.returncode}):\n"
                                + result.output[-2000:])
         s = report["summary"]
         points.append(FrontierPoint(c, s["aggregate_tokens_per_s"], s["tokens_per_s_p50"], s["tokens_per_s_p10"],
-                                    s["ttft_p95_s"], s["requests"], s["failures"]))
+                                    s["ttft_p95_s"], s["requests"], s["failures"], s["cut"]))
     return Series(label, host, points)
 
 

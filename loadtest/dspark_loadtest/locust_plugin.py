@@ -152,10 +152,10 @@ class OpenAIStreamUser(FastHttpUser):
         with self.client.request("POST", run.path(api), json=run.request_body(api, prompt), headers=run.headers,
                                  stream=True, catch_response=True) as resp:
             sample.status = resp.status_code
+            meter = StreamMeter(sample, sent)
             try:
                 if resp.status_code != 200:
                     raise StreamError(f"HTTP {resp.status_code}: {resp.content[:200]!r}")
-                meter = StreamMeter(sample, sent)
                 # Line by line: the response's own readline() splits on CRLF and read(n) waits for n
                 # bytes, either of which would hold back SSE events and inflate TTFT.
                 raw = resp._response
@@ -163,8 +163,7 @@ class OpenAIStreamUser(FastHttpUser):
                     meter.feed(line, time.perf_counter())
                 meter.finish(time.perf_counter())
             except GreenletExit:  # the run ended mid-stream: keep what was measured, then let Locust stop us
-                sample.cut = True
-                run.samples.append(sample)
+                run.samples.append(meter.cut(time.perf_counter()))
                 raise
             except Exception as e:  # transport errors and bad streams fail the request, not the user
                 sample.error = str(e) or type(e).__name__

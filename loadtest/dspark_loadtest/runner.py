@@ -12,7 +12,7 @@ from pathlib import Path
 import dspark_loadtest
 
 LOCUSTFILE = Path(dspark_loadtest.__file__).resolve().parent / "locustfile.py"
-STOP_TIMEOUT_S = 10  # in-flight requests may finish this long after the scenario ends
+STOP_TIMEOUT_S = 5  # in-flight requests may finish this long after the scenario ends, then are cut
 
 
 @dataclass
@@ -28,7 +28,7 @@ class ScenarioResult:
 
 
 def locust_command(host: str, prefix: Path, scenario_seconds: float, options: dict[str, object],
-                   web_port: int | None = None) -> list[str]:
+                   web_port: int | None = None, stop_timeout_s: int = STOP_TIMEOUT_S) -> list[str]:
     """The Locust command line; `options` are the plugin's (`tier`, `concurrency`, ...), None/"" left out.
 
     `--run-time` is a hard stop a little after the scenario's own end, in case a shape misbehaves.
@@ -36,7 +36,7 @@ def locust_command(host: str, prefix: Path, scenario_seconds: float, options: di
     """
     cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--host", host,
            "--csv", str(prefix), "--html", f"{prefix}.html", "--report-prefix", str(prefix),
-           "--run-time", f"{int(scenario_seconds) + STOP_TIMEOUT_S + 5}s", "--stop-timeout", str(STOP_TIMEOUT_S)]
+           "--run-time", f"{int(scenario_seconds) + stop_timeout_s + 5}s", "--stop-timeout", str(stop_timeout_s)]
     if web_port is None:
         cmd += ["--headless", "--only-summary"]
     else:
@@ -61,13 +61,13 @@ def child_env(api_key: str | None = None) -> dict[str, str]:
 
 
 def run_scenario(host: str, prefix: Path, scenario_seconds: float, options: dict[str, object],
-                 web_port: int | None = None, echo: bool = False) -> ScenarioResult:
+                 web_port: int | None = None, echo: bool = False, stop_timeout_s: int = STOP_TIMEOUT_S) -> ScenarioResult:
     """Run Locust to completion (killed if it outlives its bound) and return its exit code and output."""
     prefix.parent.mkdir(parents=True, exist_ok=True)
     options = dict(options)
     api_key = options.pop("api_key", None)
-    cmd = locust_command(host, prefix, scenario_seconds, options, web_port)
-    bound = scenario_seconds + STOP_TIMEOUT_S + 120 + (60 if web_port else 0)
+    cmd = locust_command(host, prefix, scenario_seconds, options, web_port, stop_timeout_s)
+    bound = scenario_seconds + stop_timeout_s + 120 + (60 if web_port else 0)
     try:
         proc = subprocess.run(cmd, env=child_env(api_key), capture_output=not echo, text=True, timeout=bound, check=False)
     except subprocess.TimeoutExpired as e:

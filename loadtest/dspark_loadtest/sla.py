@@ -28,8 +28,8 @@ class Check:
 class RunSummary:
     """Aggregates of one run from its raw samples.
 
-    Requests still streaming when the run ended (`cut`) count only towards TTFT, which they did
-    complete: leaving them out would drop the slowest requests' TTFT. Speeds use finished requests.
+    Requests still streaming when the run ended (`cut`) are neither successes nor failures, but
+    their TTFT, speed and tokens so far count: leaving them out would drop the slowest requests.
     """
 
     requests: int  # finished, successfully or not
@@ -46,7 +46,7 @@ class RunSummary:
     tokens_per_s_p10: float | None
     output_tokens: int
     tokens_per_chunk_mean: float | None
-    aggregate_tokens_per_s: float | None  # all output tokens over the span of the successful requests
+    aggregate_tokens_per_s: float | None  # all output tokens over the span of the measured requests
 
     @property
     def error_ratio(self) -> float:
@@ -54,15 +54,16 @@ class RunSummary:
 
 
 def summarize(samples: list[RequestSample]) -> RunSummary:
-    ok = [s for s in samples if s.ok]
     finished = [s for s in samples if not s.cut]
-    ttft = [s.ttft_s for s in samples if (s.ok or s.cut) and s.ttft_s is not None]
-    tpot = [s.tpot_s for s in ok if s.tpot_s is not None]
-    tps = [s.tokens_per_s for s in ok if s.tokens_per_s is not None]
-    itl = [g for s in ok for g in s.itl_s]
-    tokens = sum(s.output_tokens for s in ok)
-    chunks = sum(s.chunks for s in ok)
-    span = (max(s.start + s.e2e_s for s in ok) - min(s.start for s in ok)) if ok else 0.0
+    ok = [s for s in finished if s.ok]
+    measured = [s for s in samples if s.ok or (s.cut and s.e2e_s is not None)]
+    ttft = [s.ttft_s for s in measured if s.ttft_s is not None]
+    tpot = [s.tpot_s for s in measured if s.tpot_s is not None]
+    tps = [s.tokens_per_s for s in measured if s.tokens_per_s is not None]
+    itl = [g for s in measured for g in s.itl_s]
+    tokens = sum(s.output_tokens for s in measured)
+    chunks = sum(s.chunks for s in measured)
+    span = (max(s.start + s.e2e_s for s in measured) - min(s.start for s in measured)) if measured else 0.0
     return RunSummary(
         requests=len(finished), failures=len(finished) - len(ok), cut=len(samples) - len(finished),
         ttft_p50_s=percentile(ttft, 50), ttft_p95_s=percentile(ttft, 95),
@@ -104,8 +105,7 @@ def format_table(tier_name: str, checks: list[Check]) -> str:
     header = ("check", "target", "measured", "result")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
     line = "  ".join(f"{{:<{w}}}" for w in widths)
-    out = [f"SLA tier {tier_name!r}", line.format(*header), line.format(*("-" * w for w in widths))]
-    out += [line.format(*r) for r in rows]
+    out = [f"SLA tier {tier_name!r}", *(line.format(*r).rstrip() for r in [header, ["-" * w for w in widths], *rows])]
     verdict = "PASS" if all(c.passed for c in checks) else "FAIL"
     out.append(f"verdict: {verdict}")
     return "\n".join(out)

@@ -110,16 +110,25 @@ class StreamMeter:
         self.sample.chunks += 1
 
     def finish(self, t: float) -> RequestSample:
-        s = self.sample
         if not self.done:
             raise StreamError("stream ended without [DONE]")
+        self._close(t)
+        self.sample.ok = True
+        return self.sample
+
+    def cut(self, t: float) -> RequestSample:
+        """The run ended mid-stream: keep the tokens and timings seen so far."""
+        self._close(t)
+        self.sample.cut = True
+        return self.sample
+
+    def _close(self, t: float) -> None:
+        s = self.sample
         s.e2e_s = t - self.sent_at
         if not s.output_tokens:
             s.output_tokens = self.counted_tokens
         if self.first is not None and self.last is not None:
             s.decode_s = self.last - self.first
-        s.ok = True
-        return s
 
 
 def _tokens_in(choice: dict) -> int:

