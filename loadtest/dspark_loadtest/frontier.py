@@ -88,11 +88,12 @@ def plot(series: list[Series], tiers: list[Tier], path: Path, title: str) -> Non
     ax.set_xlabel("per-user tokens/s (p50)")
     ax.set_ylabel("aggregate tokens/s")
     ax.set_title(title)
-    ax.set_xlim(left=0)
+    anchors = [t.tokens_per_second_per_user for t in tiers]
+    ax.set_xlim(0, max([ax.get_xlim()[1], *(1.15 * a for a in anchors)]))
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     if series:
-        ax.legend(loc="upper right", fontsize=8)
+        ax.legend(loc="lower left", fontsize=8)  # frontiers fall to the right: that corner stays empty
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -35,6 +35,8 @@ log = logging.getLogger("dspark_loadtest")
 
 @events.init_command_line_parser.add_listener
 def _add_options(parser) -> None:
+    # A plain argparse group: these are fixed when the process starts (the run is built from them at
+    # init), so they stay out of the web UI's form, and the API key is never shown there.
     g = parser.add_argument_group("DSpark SLA scenario")
     g.add_argument("--tier", default="", help="Tier to test (default: the first in the tier file)")
     g.add_argument("--tiers-file", default=str(DEFAULT_TIERS_FILE), help="Tier definitions (YAML)")
@@ -48,8 +50,7 @@ def _add_options(parser) -> None:
     g.add_argument("--max-error-ratio", type=float, default=-1.0, help="Override the tolerated error ratio")
     g.add_argument("--model", default="", help="Model name (default: the server's first /v1/models entry)")
     g.add_argument("--api-prefix", default="/v1", help="Where the OpenAI routes live (/openai/v1 on KServe)")
-    g.add_argument("--api-key", default=os.environ.get("DSPARK_API_KEY", ""), help="Bearer token",
-                   env_var="DSPARK_API_KEY")
+    g.add_argument("--api-key", default=os.environ.get("DSPARK_API_KEY", ""), help="Bearer token (or DSPARK_API_KEY)")
     g.add_argument("--report-prefix", default="", help="Report file prefix (default: --csv's, else dspark-loadtest)")
     g.add_argument("--seed", type=int, default=0, help="Prompt sampling seed")
 
