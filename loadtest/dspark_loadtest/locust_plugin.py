@@ -16,7 +16,6 @@ import os
 import sys
 import time
 
-import gevent
 from gevent import GreenletExit
 from locust import LoadTestShape, events, task
 from locust.contrib.fasthttp import FastHttpUser
@@ -86,13 +85,13 @@ def _on_test_start(environment, **_kw) -> None:
     run.samples.clear()
     run.started = 0
     run.aborted = None
+    run.cap_reached = False
     if run.model is None:
         try:
             run.model = _discover_model(run)
         except RuntimeError as e:
             log.error("%s", e)
-            run.aborted = str(e)
-            gevent.spawn(environment.runner.quit)
+            run.aborted = str(e)  # the shape ends the run at its next tick; users send nothing
             return
     run.metrics_before = server_metrics.scrape(run.host)
 
@@ -142,9 +141,7 @@ class OpenAIStreamUser(FastHttpUser):
     @task
     def stream(self) -> None:
         run: LoadRun = self.environment.dspark_run
-        if not run.admit():
-            log.warning("request cap %d reached; stopping", run.tier.max_requests)
-            gevent.spawn(self.environment.runner.quit)
+        if run.aborted or not run.admit():  # the shape ends the run at its next tick
             raise StopUser()
         api = run.pick_api()
         domain, prompt = run.sampler.sample()
@@ -155,8 +152,10 @@ class OpenAIStreamUser(FastHttpUser):
             sample.status = resp.status_code
             meter = StreamMeter(sample, sent)
             try:
+                if resp.status_code == 0:  # no HTTP response at all
+                    raise StreamError(f"connection failed: {getattr(resp, 'error', None) or 'no response'}")
                 if resp.status_code != 200:
-                    raise StreamError(f"HTTP {resp.status_code}: {resp.content[:200]!r}")
+                    raise StreamError(f"HTTP {resp.status_code}: {(resp.content or b'')[:200]!r}")
                 # Line by line: the response's own readline() splits on CRLF and read(n) waits for n
                 # bytes, either of which would hold back SSE events and inflate TTFT.
                 raw = resp._response
@@ -195,5 +194,8 @@ class TierShape(LoadTestShape):
     """Users over time from the tier's load shape; returns None at the end, which stops the run."""
 
     def tick(self) -> tuple[int, float] | None:
-        stage = stage_at(self.runner.environment.dspark_run.plan, self.get_run_time())
+        run: LoadRun = self.runner.environment.dspark_run
+        if run.aborted or run.cap_reached:
+            return None
+        stage = stage_at(run.plan, self.get_run_time())
         return None if stage is None else (stage.users, stage.spawn_rate)

@@ -65,6 +65,7 @@ class LoadRun:
     samples: list[RequestSample] = field(default_factory=list)
     metrics_before: Snapshot | None = None
     started: int = 0
+    cap_reached: bool = False
     aborted: str | None = None  # why the run stopped before it could measure anything
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -91,6 +92,7 @@ class LoadRun:
         """Count a request against the tier's cap; False once the cap is reached."""
         with self._lock:
             if self.started >= self.tier.max_requests:
+                self.cap_reached = True
                 return False
             self.started += 1
             return True

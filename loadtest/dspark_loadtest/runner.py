@@ -31,12 +31,13 @@ def locust_command(host: str, prefix: Path, scenario_seconds: float, options: di
                    web_port: int | None = None, stop_timeout_s: int = STOP_TIMEOUT_S) -> list[str]:
     """The Locust command line; `options` are the plugin's (`tier`, `concurrency`, ...), None/"" left out.
 
-    `--run-time` is a hard stop a little after the scenario's own end, in case a shape misbehaves.
-    With `web_port` the run starts at once with the web UI on loopback and quits a minute after.
+    The tier's shape ends the run (Locust ignores `--run-time` when a shape is present); `run_scenario`
+    kills a process that outlives it. With `web_port` the run starts at once with the web UI on
+    loopback, and the process quits a minute after the run.
     """
     cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--host", host,
            "--csv", str(prefix), "--html", f"{prefix}.html", "--report-prefix", str(prefix),
-           "--run-time", f"{int(scenario_seconds) + stop_timeout_s + 5}s", "--stop-timeout", str(stop_timeout_s)]
+           "--stop-timeout", str(stop_timeout_s)]
     if web_port is None:
         cmd += ["--headless", "--only-summary"]
     else:

@@ -121,6 +121,14 @@ def test_cli_rejects_bad_hosts_tiers_and_labels_before_sending_anything(tmp_path
     assert r.exit_code == 0 and "interactive" in r.output and "TTFT p95 <= 0.5 s" in r.output
 
 
+def test_a_run_that_cannot_measure_exits_2_without_a_report(tmp_path):
+    """Real Locust process, nothing listening: the model lookup fails, the shape ends the run at once."""
+    r = CliRunner().invoke(main, ["loadtest", "run", "--host", "http://127.0.0.1:9", "--concurrency", "1",
+                                  "--duration", "30", "--out", str(tmp_path)])
+    assert r.exit_code == 2
+    assert not (tmp_path / "interactive_sla.json").exists() and (tmp_path / "interactive_stats.csv").exists()
+
+
 # Prompts ------------------------------------------------------------------------------------------
 def test_prompt_mix_and_length():
     sampler = PromptSampler(Workload(mix={"math": 3, "code": 0, "chat": 1}, promptWords=120), seed=1)
@@ -138,7 +146,7 @@ def test_prompt_mix_and_length():
 def test_locust_command_is_bounded_and_keeps_the_key_off_the_command_line(tmp_path):
     cmd = locust_command("http://127.0.0.1:8000", tmp_path / "x", 20, {"tier": "batch", "concurrency": None,
                                                                       "prompt_words": 0})
-    assert "--headless" in cmd and cmd[cmd.index("--run-time") + 1] == "30s" and "--stop-timeout" in cmd
+    assert "--headless" in cmd and cmd[cmd.index("--stop-timeout") + 1] == "5"
     assert cmd[cmd.index("--tier") + 1] == "batch" and "--concurrency" not in cmd
     assert cmd[cmd.index("--prompt-words") + 1] == "0"
     web = locust_command("http://127.0.0.1:8000", tmp_path / "x", 20, {}, web_port=8089)

@@ -96,7 +96,8 @@ def run(ctx, hosts, tier_name, concurrency, duration, max_requests, tiers_file, 
     click.echo(f"tier {tier.name} against {host} for {tier.load.duration:g} s; reports under {out}/", err=True)
     result = run_scenario(host, prefix, tier.load.duration, options, web_port=web_port if web else None, echo=True)
     if result.report is None:
-        raise click.ClickException(f"the run produced no report (locust exit {result.returncode})")
+        click.echo(f"Error: the run measured nothing and wrote no report (locust exit {result.returncode})", err=True)
+        sys.exit(2)
     sys.exit(result.returncode)
 
 
