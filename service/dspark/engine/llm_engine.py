@@ -206,7 +206,12 @@ class LLMEngine:
         lengths = lengths.cpu()
         if block.num_valid is not None:
             lengths = torch.minimum(lengths, block.num_valid.cpu())
-        lengths = torch.minimum(lengths, torch.tensor(limit)).clamp_min(0).tolist()
+        lengths = torch.minimum(lengths, torch.tensor(limit)).clamp_min(0)
+        if block.confidences is not None:  # what the confidence head expects to be accepted
+            survival = block.confidences.float().cpu().cumprod(dim=1)
+            verified = torch.arange(survival.shape[1])[None, :] < lengths[:, None]
+            self._stats.predicted_accepted_tokens = float(survival[verified].sum())
+        lengths = lengths.tolist()
         self._stats.draft_time_s = t1 - t0
         self._stats.schedule_time_s = time.perf_counter() - t1
         return Draft(block, lengths)
