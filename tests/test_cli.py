@@ -49,14 +49,28 @@ def test_bad_input_is_a_clean_error(args, message, smollm_dir):
 
 
 def test_prompt_longer_than_the_context_is_refused(smollm_dir):
-    result = CliRunner().invoke(main, ["generate", "--max-model-len", "64", "--max-tokens", "8", "word " * 80])
+    result = CliRunner().invoke(
+        main, ["generate", "--max-model-len", "64", "--max-tokens", "8", "word " * 80]
+    )
     assert result.exit_code != 0 and "maximum context length is 64" in result.output
 
 
 def test_bench_decode_writes_a_report(smollm_dir, tmp_path):
     out = tmp_path / "bench.json"
     result = CliRunner().invoke(
-        main, ["bench", "decode", "--num-prompts", "1", "--max-tokens", "8", "--domains", "code", "--output", str(out)]
+        main,
+        [
+            "bench",
+            "decode",
+            "--num-prompts",
+            "1",
+            "--max-tokens",
+            "8",
+            "--domains",
+            "code",
+            "--output",
+            str(out),
+        ],
     )
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())

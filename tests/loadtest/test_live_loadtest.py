@@ -22,12 +22,26 @@ from tests.serving.live_server import API_KEY, LiveServer, start
 pytestmark = pytest.mark.slow
 
 WORKLOAD = {"api": "mixed", "mix": {"math": 1, "code": 1, "chat": 1}, "maxTokens": 16}
-TIERS = {"tiers": [
-    {"name": "generous", "tokensPerSecondPerUser": 0.01, "tokensPerSecondPerUserP10": 0.01, "ttftP95Seconds": 60,
-     "maxErrorRatio": 0.5, "workload": WORKLOAD, "load": {"shape": "constant", "users": 3, "duration": 20}},
-    {"name": "impossible", "tokensPerSecondPerUser": 100000, "ttftP95Seconds": 0.0001,
-     "workload": WORKLOAD, "load": {"shape": "constant", "users": 2, "duration": 6}},
-]}
+TIERS = {
+    "tiers": [
+        {
+            "name": "generous",
+            "tokensPerSecondPerUser": 0.01,
+            "tokensPerSecondPerUserP10": 0.01,
+            "ttftP95Seconds": 60,
+            "maxErrorRatio": 0.5,
+            "workload": WORKLOAD,
+            "load": {"shape": "constant", "users": 3, "duration": 20},
+        },
+        {
+            "name": "impossible",
+            "tokensPerSecondPerUser": 100000,
+            "ttftP95Seconds": 0.0001,
+            "workload": WORKLOAD,
+            "load": {"shape": "constant", "users": 2, "duration": 6},
+        },
+    ]
+}
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +51,12 @@ def server():
     live = start("ray")
     try:
         # One request first: the engine's first forwards are slow, and would count in the first run.
-        httpx.post(live.openai_base + "/completions", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120,
-                   json={"model": live.model, "prompt": "Hello", "max_tokens": 4}).raise_for_status()
+        httpx.post(
+            live.openai_base + "/completions",
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            timeout=120,
+            json={"model": live.model, "prompt": "Hello", "max_tokens": 4},
+        ).raise_for_status()
         yield live
     finally:
         live.stop()
@@ -54,7 +72,9 @@ def tiers_file(tmp_path_factory) -> Path:
 
 def scenario(server: LiveServer, tiers_file: Path, tier: str, prefix: Path):
     seconds = next(t["load"]["duration"] for t in TIERS["tiers"] if t["name"] == tier)
-    return run_scenario(server.base, prefix, seconds, {"tiers_file": tiers_file, "tier": tier, "api_key": API_KEY})
+    return run_scenario(
+        server.base, prefix, seconds, {"tiers_file": tiers_file, "tier": tier, "api_key": API_KEY}
+    )
 
 
 def test_generous_tier_passes_and_reports_stream_metrics(server, tiers_file, tmp_path):
@@ -106,16 +126,43 @@ def test_impossible_tier_fails(server, tiers_file, tmp_path):
 def test_frontier_writes_png_and_points(server, tiers_file, tmp_path):
     """One server here (two-server figures are covered without a server); 2 points of 8 s each."""
     out = tmp_path / "frontier"
-    r = CliRunner().invoke(main, [
-        "loadtest", "frontier", "--host", server.base, "--label", "static-4", "--concurrency", "1,2",
-        "--duration", "8", "--max-tokens", "4", "--tiers-file", str(tiers_file), "--tier", "generous",
-        "--api-key", API_KEY, "--out", str(out),
-    ])
+    r = CliRunner().invoke(
+        main,
+        [
+            "loadtest",
+            "frontier",
+            "--host",
+            server.base,
+            "--label",
+            "static-4",
+            "--concurrency",
+            "1,2",
+            "--duration",
+            "8",
+            "--max-tokens",
+            "4",
+            "--tiers-file",
+            str(tiers_file),
+            "--tier",
+            "generous",
+            "--api-key",
+            API_KEY,
+            "--out",
+            str(out),
+        ],
+    )
     assert r.exit_code == 0, r.output
     doc = json.loads((out / "frontier.json").read_text())
     (series,) = doc["series"]
     assert series["label"] == "static-4" and [p["concurrency"] for p in series["points"]] == [1, 2]
     for p in series["points"]:
-        assert p["requests"] + p["cut"] > 0 and p["aggregate_tokens_per_s"] > 0 and p["tokens_per_s_per_user_p50"] > 0
-    assert doc["workload"]["maxTokens"] == 4 and {t["name"] for t in doc["tiers"]} == {"generous", "impossible"}
+        assert (
+            p["requests"] + p["cut"] > 0
+            and p["aggregate_tokens_per_s"] > 0
+            and p["tokens_per_s_per_user_p50"] > 0
+        )
+    assert doc["workload"]["maxTokens"] == 4 and {t["name"] for t in doc["tiers"]} == {
+        "generous",
+        "impossible",
+    }
     assert (out / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -22,7 +22,10 @@ def sse(obj) -> bytes:
 
 def chat_chunk(n_tokens: int, text: str = "x") -> dict:
     lps = {"content": [{"token": "x", "logprob": -0.1, "top_logprobs": []}] * n_tokens}
-    return {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": text}, "logprobs": lps}]}
+    return {
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": {"content": text}, "logprobs": lps}],
+    }
 
 
 def meter() -> StreamMeter:
@@ -42,13 +45,19 @@ def test_multi_token_chunks_are_counted_and_their_gap_split():
     assert s.ok and s.ttft_s == pytest.approx(0.5) and s.e2e_s == pytest.approx(1.0)
     assert s.output_tokens == 5 and s.prompt_tokens == 7 and s.chunks == 3
     assert s.itl_s == pytest.approx([0.1, 0.1, 0.1, 0.1])
-    assert s.decode_s == pytest.approx(0.4) and s.tpot_s == pytest.approx(0.1) and s.tokens_per_s == pytest.approx(10)
+    assert (
+        s.decode_s == pytest.approx(0.4)
+        and s.tpot_s == pytest.approx(0.1)
+        and s.tokens_per_s == pytest.approx(10)
+    )
     assert s.tokens_per_chunk == pytest.approx(5 / 3)
 
 
 def test_completion_chunks_and_chunks_without_logprobs():
     m = StreamMeter(RequestSample(api="completions", domain="math", start=0.0), sent_at=0.0)
-    m.feed(sse({"choices": [{"text": "a", "logprobs": {"tokens": ["a", "b"], "token_logprobs": [0, 0]}}]}), 0.2)
+    m.feed(
+        sse({"choices": [{"text": "a", "logprobs": {"tokens": ["a", "b"], "token_logprobs": [0, 0]}}]}), 0.2
+    )
     m.feed(sse({"choices": [{"text": "c", "logprobs": None}]}), 0.3)  # no logprobs: one token per text chunk
     m.feed(sse({"choices": [{"text": "", "logprobs": None, "finish_reason": "length"}]}), 0.3)
     m.feed(sse("[DONE]"), 0.3)
@@ -73,15 +82,20 @@ def test_stream_errors_and_truncation_raise():
 # The server's metrics -----------------------------------------------------------------------------
 def _exposition(count: int, total: float, buckets: dict[str, int], accepted: int) -> str:
     lines = ["# TYPE vllm:time_to_first_token_seconds histogram"]
-    lines += [f'vllm:time_to_first_token_seconds_bucket{{le="{le}",model_name="m"}} {c}' for le, c in buckets.items()]
-    lines += [f'vllm:time_to_first_token_seconds_count{{model_name="m"}} {count}',
-              f'vllm:time_to_first_token_seconds_sum{{model_name="m"}} {total}',
-              "# TYPE vllm:spec_decode_num_draft_tokens counter",
-              f'vllm:spec_decode_num_draft_tokens_total{{model_name="m"}} {4 * count}',
-              "# TYPE vllm:spec_decode_num_drafts counter",
-              f'vllm:spec_decode_num_drafts_total{{model_name="m"}} {count}',
-              "# TYPE vllm:spec_decode_num_accepted_tokens counter",
-              f'vllm:spec_decode_num_accepted_tokens_total{{model_name="m"}} {accepted}']
+    lines += [
+        f'vllm:time_to_first_token_seconds_bucket{{le="{le}",model_name="m"}} {c}'
+        for le, c in buckets.items()
+    ]
+    lines += [
+        f'vllm:time_to_first_token_seconds_count{{model_name="m"}} {count}',
+        f'vllm:time_to_first_token_seconds_sum{{model_name="m"}} {total}',
+        "# TYPE vllm:spec_decode_num_draft_tokens counter",
+        f'vllm:spec_decode_num_draft_tokens_total{{model_name="m"}} {4 * count}',
+        "# TYPE vllm:spec_decode_num_drafts counter",
+        f'vllm:spec_decode_num_drafts_total{{model_name="m"}} {count}',
+        "# TYPE vllm:spec_decode_num_accepted_tokens counter",
+        f'vllm:spec_decode_num_accepted_tokens_total{{model_name="m"}} {accepted}',
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -98,7 +112,11 @@ def test_server_view_is_the_delta_of_two_scrapes():
 
 # Targets ------------------------------------------------------------------------------------------
 def test_targets_default_to_loopback_and_others_need_the_user():
-    assert is_loopback("http://localhost:8000") and is_loopback("http://[::1]:8000") and is_loopback("http://127.0.0.2")
+    assert (
+        is_loopback("http://localhost:8000")
+        and is_loopback("http://[::1]:8000")
+        and is_loopback("http://127.0.0.2")
+    )
     assert check_target("http://127.0.0.1:8000/", user_given=False) == "http://127.0.0.1:8000"
     assert check_target("http://dspark.ns.svc:8000", user_given=True) == "http://dspark.ns.svc:8000"
     with pytest.raises(ValueError, match="not given with --host"):
@@ -123,8 +141,21 @@ def test_cli_rejects_bad_hosts_tiers_and_labels_before_sending_anything(tmp_path
 
 def test_a_run_that_cannot_measure_exits_2_without_a_report(tmp_path):
     """Real Locust process, nothing listening: the model lookup fails, the shape ends the run at once."""
-    r = CliRunner().invoke(main, ["loadtest", "run", "--host", "http://127.0.0.1:9", "--concurrency", "1",
-                                  "--duration", "30", "--out", str(tmp_path)])
+    r = CliRunner().invoke(
+        main,
+        [
+            "loadtest",
+            "run",
+            "--host",
+            "http://127.0.0.1:9",
+            "--concurrency",
+            "1",
+            "--duration",
+            "30",
+            "--out",
+            str(tmp_path),
+        ],
+    )
     assert r.exit_code == 2
     assert not (tmp_path / "interactive_sla.json").exists() and (tmp_path / "interactive_stats.csv").exists()
 
@@ -144,8 +175,9 @@ def test_prompt_mix_and_length():
 
 # Locust command line ------------------------------------------------------------------------------
 def test_locust_command_is_bounded_and_keeps_the_key_off_the_command_line(tmp_path):
-    cmd = locust_command("http://127.0.0.1:8000", tmp_path / "x", 20, {"tier": "batch", "concurrency": None,
-                                                                      "prompt_words": 0})
+    cmd = locust_command(
+        "http://127.0.0.1:8000", tmp_path / "x", 20, {"tier": "batch", "concurrency": None, "prompt_words": 0}
+    )
     assert "--headless" in cmd and cmd[cmd.index("--stop-timeout") + 1] == "5"
     assert cmd[cmd.index("--tier") + 1] == "batch" and "--concurrency" not in cmd
     assert cmd[cmd.index("--prompt-words") + 1] == "0"
@@ -157,16 +189,26 @@ def test_locust_command_is_bounded_and_keeps_the_key_off_the_command_line(tmp_pa
 # Frontier -----------------------------------------------------------------------------------------
 def test_frontier_files_with_two_servers(tmp_path):
     def points(scale: float) -> list[FrontierPoint]:
-        return [FrontierPoint(c, scale * 30 * c ** 0.8, scale * 30 / c ** 0.2, scale * 25 / c ** 0.2, 0.1 * c, 10, 0, 1)
-                for c in (1, 2, 4, 8)]
+        return [
+            FrontierPoint(c, scale * 30 * c**0.8, scale * 30 / c**0.2, scale * 25 / c**0.2, 0.1 * c, 10, 0, 1)
+            for c in (1, 2, 4, 8)
+        ]
 
-    series = [Series("dspark", "http://127.0.0.1:8000", points(1.3)), Series("static:4", "http://127.0.0.1:8001",
-                                                                             points(1.0))]
+    series = [
+        Series("dspark", "http://127.0.0.1:8000", points(1.3)),
+        Series("static:4", "http://127.0.0.1:8001", points(1.0)),
+    ]
     json_path, png_path = write_frontier(series, list(load_tiers().tiers), tmp_path, {"duration_s": 15})
     doc = json.loads(json_path.read_text())
-    assert [s["label"] for s in doc["series"]] == ["dspark", "static:4"] and len(doc["series"][0]["points"]) == 4
-    assert doc["tiers"][0] == {"name": "interactive", "tokensPerSecondPerUser": 60, "tokensPerSecondPerUserP10": 40,
-                               "ttftP95Seconds": 0.5}
+    assert [s["label"] for s in doc["series"]] == ["dspark", "static:4"] and len(
+        doc["series"][0]["points"]
+    ) == 4
+    assert doc["tiers"][0] == {
+        "name": "interactive",
+        "tokensPerSecondPerUser": 60,
+        "tokensPerSecondPerUserP10": 40,
+        "ttftP95Seconds": 0.5,
+    }
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png_path.stat().st_size > 10_000
     assert parse_concurrency("8, 1,2,2") == [1, 2, 8]
     with pytest.raises(ValueError, match="comma-separated"):

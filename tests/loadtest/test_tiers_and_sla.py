@@ -28,16 +28,37 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def tier(**overrides) -> Tier:
-    raw = {"name": "t", "tokensPerSecondPerUser": 20, "tokensPerSecondPerUserP10": 10, "ttftP95Seconds": 1.0,
-           "maxErrorRatio": 0.1, "load": {"shape": "constant", "users": 2, "duration": 10}}
+    raw = {
+        "name": "t",
+        "tokensPerSecondPerUser": 20,
+        "tokensPerSecondPerUserP10": 10,
+        "ttftP95Seconds": 1.0,
+        "maxErrorRatio": 0.1,
+        "load": {"shape": "constant", "users": 2, "duration": 10},
+    }
     return Tier.model_validate({**raw, **overrides})
 
 
-def sample(ttft: float = 0.2, tokens: int = 11, decode: float = 0.5, ok: bool = True, cut: bool = False,
-           start: float = 0.0) -> RequestSample:
-    s = RequestSample(api="chat", domain="math", start=start, ok=ok, cut=cut, ttft_s=ttft if ok or cut else None,
-                      output_tokens=tokens if ok or cut else 0, chunks=tokens, decode_s=decode if ok or cut else None,
-                      e2e_s=ttft + decode)
+def sample(
+    ttft: float = 0.2,
+    tokens: int = 11,
+    decode: float = 0.5,
+    ok: bool = True,
+    cut: bool = False,
+    start: float = 0.0,
+) -> RequestSample:
+    s = RequestSample(
+        api="chat",
+        domain="math",
+        start=start,
+        ok=ok,
+        cut=cut,
+        ttft_s=ttft if ok or cut else None,
+        output_tokens=tokens if ok or cut else 0,
+        chunks=tokens,
+        decode_s=decode if ok or cut else None,
+        e2e_s=ttft + decode,
+    )
     if ok or cut:
         s.chunk_gaps = [(decode / (tokens - 1), 1)] * (tokens - 1)
     return s
@@ -69,18 +90,26 @@ def _snake(name: str) -> str:
     return "".join("_" + c.lower() if c.isupper() else c for c in name)
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"tokensPerSecondPerUserP10": 30}, "exceeds the p50 target"),
-    ({"load": {"shape": "constant", "users": 2, "duration": 7200}}, "less than or equal to 3600"),
-    ({"load": {"shape": "ramp", "users": 2, "duration": 10}}, "does not match any of the expected tags"),
-    ({"workload": {"mix": {"math": 0}}}, "positive sum"),
-    ({"workload": {"mix": {"poetry": 1}}}, "poetry"),
-    ({"tokensPerSecondPerUser": 0}, "greater than 0"),
-    ({"speed": 3}, "Extra inputs are not permitted"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"tokensPerSecondPerUserP10": 30}, "exceeds the p50 target"),
+        ({"load": {"shape": "constant", "users": 2, "duration": 7200}}, "less than or equal to 3600"),
+        ({"load": {"shape": "ramp", "users": 2, "duration": 10}}, "does not match any of the expected tags"),
+        ({"workload": {"mix": {"math": 0}}}, "positive sum"),
+        ({"workload": {"mix": {"poetry": 1}}}, "poetry"),
+        ({"tokensPerSecondPerUser": 0}, "greater than 0"),
+        ({"speed": 3}, "Extra inputs are not permitted"),
+    ],
+)
 def test_bad_tiers_are_rejected_with_the_reason(tmp_path, change, message):
-    raw = {"name": "t", "tokensPerSecondPerUser": 20, "ttftP95Seconds": 1.0,
-           "load": {"shape": "constant", "users": 2, "duration": 10}, **change}
+    raw = {
+        "name": "t",
+        "tokensPerSecondPerUser": 20,
+        "ttftP95Seconds": 1.0,
+        "load": {"shape": "constant", "users": 2, "duration": 10},
+        **change,
+    }
     path = tmp_path / "tiers.yaml"
     path.write_text(yaml.safe_dump({"tiers": [raw]}))
     with pytest.raises(ValueError, match=message) as e:
@@ -89,8 +118,12 @@ def test_bad_tiers_are_rejected_with_the_reason(tmp_path, change, message):
 
 
 def test_duplicate_names_and_unknown_tier(tmp_path):
-    raw = {"name": "t", "tokensPerSecondPerUser": 20, "ttftP95Seconds": 1.0,
-           "load": {"shape": "constant", "users": 2, "duration": 10}}
+    raw = {
+        "name": "t",
+        "tokensPerSecondPerUser": 20,
+        "ttftP95Seconds": 1.0,
+        "load": {"shape": "constant", "users": 2, "duration": 10},
+    }
     path = tmp_path / "tiers.yaml"
     path.write_text(yaml.safe_dump({"tiers": [raw, raw]}))
     with pytest.raises(ValueError, match="unique"):
@@ -103,7 +136,11 @@ def test_overrides_are_validated_again():
     tiers = load_tiers()
     t = resolve_tier(tiers, "batch", concurrency=3, seconds=12, api="chat", mix="math=2,code=1", max_tokens=8)
     assert t.load == ConstantLoad(shape="constant", users=3, duration=12)
-    assert t.workload.api == "chat" and t.workload.mix == {"math": 2.0, "code": 1.0} and t.workload.max_tokens == 8
+    assert (
+        t.workload.api == "chat"
+        and t.workload.mix == {"math": 2.0, "code": 1.0}
+        and t.workload.max_tokens == 8
+    )
     assert resolve_tier(tiers, "batch", seconds=5).load.users == 32  # the step shape's peak
     assert resolve_tier(tiers, None).name == "interactive"
     with pytest.raises(ValueError, match="domain=weight"):
@@ -117,9 +154,13 @@ def test_constant_step_and_spike_stages():
     assert stages(ConstantLoad(shape="constant", users=4, duration=30)) == [Stage(30, 4, 10.0)]
     step = stages(StepLoad(shape="step", startUsers=2, stepUsers=3, stepSeconds=10, maxUsers=7, duration=45))
     assert [(s.until_s, s.users) for s in step] == [(10, 2), (20, 5), (45, 7)]
-    spike = stages(SpikeLoad(shape="spike", baseUsers=2, spikeUsers=20, spikeAt=10, spikeSeconds=5, duration=30))
+    spike = stages(
+        SpikeLoad(shape="spike", baseUsers=2, spikeUsers=20, spikeAt=10, spikeSeconds=5, duration=30)
+    )
     assert [(s.until_s, s.users) for s in spike] == [(10, 2), (15, 20), (30, 2)]
-    assert stage_at(spike, 0).users == 2 and stage_at(spike, 12).users == 20 and stage_at(spike, 29.9).users == 2
+    assert (
+        stage_at(spike, 0).users == 2 and stage_at(spike, 12).users == 20 and stage_at(spike, 29.9).users == 2
+    )
     assert stage_at(spike, 30) is None  # the run stops by itself
 
 
@@ -145,7 +186,9 @@ def test_checks_pass_and_fail_in_each_direction():
     assert {c.name for c in evaluate(tier(), summarize(late)) if not c.passed} == {"TTFT p95 (s)"}
 
     table = format_table("t", evaluate(tier(), summarize(late)))
-    assert re.search(r"^TTFT p95 \(s\)\s+<= 1\s+1\.6\s+FAIL$", table, re.M) and table.endswith("verdict: FAIL")
+    assert re.search(r"^TTFT p95 \(s\)\s+<= 1\s+1\.6\s+FAIL$", table, re.M) and table.endswith(
+        "verdict: FAIL"
+    )
 
 
 def test_recoverable_errors_pass_below_the_ratio_and_fail_above():

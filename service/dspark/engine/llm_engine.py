@@ -201,7 +201,9 @@ class LLMEngine:
             return Draft(DraftBlock(empty, None), [0] * len(decodes))
         block = self.drafter.propose(decodes, self._sampling(decodes))
         t1 = time.perf_counter()
+        fallbacks = getattr(self.policy, "fallbacks", 0)
         lengths = self.policy.schedule(block.confidences, self.drafter.gamma, len(decodes))
+        self._stats.policy_fallback = getattr(self.policy, "fallbacks", 0) > fallbacks
         limit = [r.remaining_tokens - 1 for r in decodes]  # the bonus token must fit in max_tokens
         lengths = lengths.cpu()
         if block.num_valid is not None:

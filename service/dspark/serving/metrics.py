@@ -73,6 +73,7 @@ METRIC_NAMES = (
     "dspark_sps_estimate",
     "dspark_scheduler_seconds",
     "dspark_confidence_calibration_error",
+    "dspark_policy_fallbacks_total",
 )
 
 
@@ -134,6 +135,9 @@ class ServingMetrics:
             "dspark_confidence_calibration_error",
             "|observed - predicted| accepted draft tokens / draft tokens over a recent window.",
         )
+        self.policy_fallbacks = counter(
+            "dspark_policy_fallbacks", "Steps scheduled by the safe fixed policy because confidences were unusable."
+        )
         # Create every series up front so dashboards and scrapers see zeros rather than gaps.
         for metric in (
             self.ttft,
@@ -148,6 +152,7 @@ class ServingMetrics:
             self.verify_budget,
             self.verify_batch,
             self.scheduler_s,
+            self.policy_fallbacks,
         ):
             metric.labels(self._model)
         for m in (self.num_running, self.num_waiting):
@@ -191,8 +196,10 @@ class ServingMetrics:
                 self._update_sps(1.0 / s.forward_time_s)
         if s.verify_budgets or s.schedule_time_s:
             self.scheduler_s.labels(m).observe(s.schedule_time_s)
-        predicted = getattr(s, "predicted_accepted_tokens", None)
-        if predicted is not None and s.num_draft_tokens:
+        if s.policy_fallback:
+            self.policy_fallbacks.labels(m).inc()
+        predicted = s.predicted_accepted_tokens
+        if predicted is not None and math.isfinite(predicted) and s.num_draft_tokens:
             self._update_calibration(s.num_draft_tokens, s.num_accepted_tokens, float(predicted))
 
     def _update_sps(self, sps: float) -> None:
