@@ -141,3 +141,23 @@ def test_checkpoint_missing_weights_is_refused(tiny_dirs, tmp_path):
     save_file(state, tmp_path / "model.safetensors")
     with pytest.raises(ModelError, match=r"missing.*up_proj"):
         load_target_model(tmp_path, torch.float32, torch.device("cpu"))
+
+
+def test_nan_confidences_fall_back_to_a_fixed_policy_and_stay_lossless(tiny_dirs, caplog):
+    from dspark.drafters.base import DraftBlock
+    from dspark.policies.factory import build_policy
+    from dspark.profiling.synthetic import synthetic_profile
+
+    class BrokenConfidences(NgramDrafter):
+        def propose(self, requests, sampling):
+            block = super().propose(requests, sampling)
+            return DraftBlock(block.tokens, None, torch.full(block.tokens.shape, float("nan")), block.num_valid)
+
+    reference = engine_on(tiny_dirs["llama"], NoDrafter(), "none")
+    expected = [r.token_ids for r in reference.generate(prompts(3), GREEDY)]
+    engine = engine_on(tiny_dirs["llama"], BrokenConfidences(4), "none")
+    engine.policy = build_policy("dspark", sps=synthetic_profile())
+    with caplog.at_level("WARNING"):
+        results = engine.generate(prompts(3), GREEDY)
+    assert [r.token_ids for r in results] == expected
+    assert engine.policy.fallbacks > 0 and "confidences" in caplog.text.lower()
