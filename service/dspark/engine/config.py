@@ -34,6 +34,20 @@ class EngineConfig(BaseModel):
     seed: int = 0
 
 
+# The engine fields every engine-running command and the server take as flags.
+SELECTION_FIELDS = (
+    "target",
+    "drafter",
+    "policy",
+    "gamma",
+    "dtype",
+    "device",
+    "max_num_seqs",
+    "max_model_len",
+    "max_batch_tokens",
+)
+
+
 def resolve_device(spec: str) -> torch.device:
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

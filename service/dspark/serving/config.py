@@ -10,21 +10,12 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
+from dspark.engine.config import SELECTION_FIELDS
+
 ENV_PREFIX = "DSPARK_"
 CONFIG_FILE_ENV = "DSPARK_CONFIG"
 # Engine settings live in the engine's own EngineConfig; None here means "the engine's default".
-ENGINE_FIELDS = (
-    "target",
-    "drafter",
-    "policy",
-    "gamma",
-    "dtype",
-    "device",
-    "max_num_seqs",
-    "max_model_len",
-    "max_batch_tokens",
-    "seed",
-)
+ENGINE_FIELDS = (*SELECTION_FIELDS, "seed", "sps_profile", "strict_profile")
 
 
 class AutoscalingSettings(BaseModel):
