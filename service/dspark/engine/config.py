@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import cache
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -25,7 +26,7 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(16, ge=1, le=4096, description="Requests decoded concurrently (KV slots).")
     max_model_len: int = Field(2048, ge=16, description="Prompt + output tokens per request.")
     max_batch_tokens: int = Field(512, ge=16, description="Token budget of one forward (chunked prefill).")
-    sps_profile: str | None = Field(
+    sps_profile: Path | None = Field(
         None, description="SPS profile JSON (default: $DSPARK_SPS_PROFILE or the cache)."
     )
     strict_profile: bool = Field(

@@ -46,7 +46,6 @@ class ServeConfig(BaseModel):
     max_model_len: int | None = Field(None, ge=16)
     max_batch_tokens: int | None = Field(None, ge=1)
     seed: int | None = None
-    sps_profile: str | None = Field(None, description="SPS profile JSON for the dspark policies.")
     strict_profile: bool | None = Field(None, description="Refuse to start without a matching profile.")
 
     # HTTP front end.
