@@ -151,7 +151,9 @@ def test_nan_confidences_fall_back_to_a_fixed_policy_and_stay_lossless(tiny_dirs
     class BrokenConfidences(NgramDrafter):
         def propose(self, requests, sampling):
             block = super().propose(requests, sampling)
-            return DraftBlock(block.tokens, None, torch.full(block.tokens.shape, float("nan")), block.num_valid)
+            return DraftBlock(
+                block.tokens, None, torch.full(block.tokens.shape, float("nan")), block.num_valid
+            )
 
     reference = engine_on(tiny_dirs["llama"], NoDrafter(), "none")
     expected = [r.token_ids for r in reference.generate(prompts(3), GREEDY)]
