@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dspark.drafters.ngram import NgramDrafter, NoDrafter
+from dspark.drafters.ngram import NgramDrafter
 from dspark.engine.config import EngineConfig
 from dspark.engine.llm_engine import LLMEngine
 from dspark.engine.sampling_params import SamplingParams
@@ -41,4 +41,3 @@ def test_sampled_decoding_runs_with_seeds_on_cuda(smollm_dir):
     p = engine.tokenizer.encode("Once upon a time")
     params = SamplingParams(temperature=1.0, max_tokens=12, seed=7)
     assert engine.generate([p], params)[0].token_ids == engine.generate([p], params)[0].token_ids
-    assert isinstance(NoDrafter().propose([], None).tokens, torch.Tensor)
