@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from dspark.commands import bench, generate, models, profile
+from dspark.commands import bench, generate, models, profile, train
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -17,6 +17,7 @@ main.add_command(models.models)
 main.add_command(generate.generate)
 main.add_command(bench.bench)
 main.add_command(profile.profile)
+main.add_command(train.train)
 
 
 if __name__ == "__main__":
