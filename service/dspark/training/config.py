@@ -24,7 +24,11 @@ class SourceSpec(_Strict):
 class DataConfig(_Strict):
     """Prompts, the target's own responses (self-distillation) and the stored target features."""
 
-    sources: list[SourceSpec] = Field(min_length=1)
+    sources: list[SourceSpec] = Field(default_factory=list, description="Prompts answered by the target.")
+    raw_text: list[SourceSpec] = Field(
+        default_factory=list,
+        description="Prompts with the corpus's own answers (no generation); p^t still comes from the target.",
+    )
     max_prompt_tokens: int = Field(256, ge=8)
     max_new_tokens: int = Field(256, ge=8)
     greedy_fraction: float = Field(0.3, ge=0.0, le=1.0, description="Share of responses generated at T=0.")
@@ -38,6 +42,12 @@ class DataConfig(_Strict):
     generation_batch: int = Field(64, ge=1)
     feature_batch_tokens: int = Field(4096, ge=64)
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _some_source(self) -> DataConfig:
+        if not self.sources and not self.raw_text:
+            raise ValueError("data needs at least one entry in sources or raw_text")
+        return self
 
 
 class DrafterSpec(_Strict):

@@ -67,13 +67,19 @@ def prepare_data(cfg: TrainConfig, device: torch.device, dtype: torch.dtype, pro
         write_prompts(data_dir, prompts, report)
         log.info("prompts: %s; dropped for evaluation overlap: %s", report["selected"], report["dropped"])
         _record_time(cfg, "prompts", time.perf_counter() - start)
-    prompts = read_jsonl(prompts_path)
-    if not prompts:
+    everything = read_jsonl(prompts_path)
+    if not everything:
         raise NoUsableData(f"{prompts_path} holds no prompts")
+    prompts = [p for p in everything if "response_ids" not in p]
+    raw = [
+        {**p, "temperature": None, "finish_reason": "raw", "index": i}
+        for i, p in enumerate(everything)
+        if "response_ids" in p
+    ]
 
     samples_path = data_dir / SAMPLES_FILE
     done = len(read_jsonl(samples_path)) if samples_path.is_file() else 0
-    if done < len(prompts):
+    if prompts and done < len(prompts):
         from dspark.engine.config import EngineConfig
         from dspark.engine.llm_engine import LLMEngine
 
@@ -94,7 +100,8 @@ def prepare_data(cfg: TrainConfig, device: torch.device, dtype: torch.dtype, pro
         generate_samples(engine, prompts, cfg.data, data_dir, progress=progress)
         del engine
         _record_time(cfg, "generate", time.perf_counter() - start)
-    samples = [s for s in read_jsonl(samples_path) if len(s["response_ids"]) >= 2]
+    generated = read_jsonl(samples_path) if samples_path.is_file() else []
+    samples = [s for s in generated + raw if len(s["response_ids"]) >= 2]
     if not samples:
         raise NoUsableData(f"{samples_path}: no sample has a response of at least 2 tokens")
 

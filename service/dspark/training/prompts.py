@@ -22,7 +22,8 @@ class NoUsableData(ValueError):
 
 
 def select_prompts(cfg: DataConfig, tokenizer, encode) -> tuple[list[dict], dict]:
-    """Prompts to self-distill (dicts with text, domain, source, prompt_ids) and an overlap report.
+    """Prompts (dicts with text, domain, source, prompt_ids; raw-text ones also response_ids) and
+    an overlap report. Self-distillation prompts come first, then the raw-text ones.
 
     `encode(tokenizer, text)` gives the chat-templated prompt ids; prompts longer than
     `max_prompt_tokens` are skipped (long ShareGPT pastes would dominate the budget).
@@ -46,7 +47,9 @@ def select_prompts(cfg: DataConfig, tokenizer, encode) -> tuple[list[dict], dict
     rng = random.Random(cfg.seed)
     seen: set[str] = set()
     chosen: list[dict] = []
-    for spec in cfg.sources:
+    specs = [(spec, False) for spec in cfg.sources] + [(spec, True) for spec in cfg.raw_text]
+    eos = tokenizer.eos_token_id
+    for spec, raw in specs:
         unknown = set(spec.domains) - set(DOMAINS)
         if unknown:
             raise ValueError(f"source {spec.source}: unknown domains {sorted(unknown)}; expected {DOMAINS}")
@@ -60,6 +63,8 @@ def select_prompts(cfg: DataConfig, tokenizer, encode) -> tuple[list[dict], dict
             for prompt in pool:
                 if taken >= wanted:
                     break
+                if raw and not prompt.response:
+                    continue
                 key = normalise(prompt.text)
                 if key in seen:
                     report["duplicates"] += 1
@@ -75,9 +80,14 @@ def select_prompts(cfg: DataConfig, tokenizer, encode) -> tuple[list[dict], dict
                 if len(ids) > cfg.max_prompt_tokens:
                     report["too_long"] += 1
                     continue
-                chosen.append(
-                    {"text": prompt.text, "domain": domain, "source": prompt.source, "prompt_ids": ids}
-                )
+                row = {"text": prompt.text, "domain": domain, "source": prompt.source, "prompt_ids": ids}
+                if raw:
+                    response = tokenizer.encode(prompt.response, add_special_tokens=False)
+                    if len(response) < cfg.max_new_tokens and eos is not None:
+                        response = [*response, eos]
+                    row["response_ids"] = response[: cfg.max_new_tokens]
+                    row["source"] = f"{prompt.source}:raw"
+                chosen.append(row)
                 taken += 1
             if taken < wanted:
                 log.warning("source %s domain %s: only %d of %d prompts usable", spec.source, domain, taken, wanted)

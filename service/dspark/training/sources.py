@@ -36,6 +36,7 @@ class Prompt:
     text: str
     domain: str
     source: str
+    response: str | None = None  # the corpus's own answer (used only as raw text)
 
 
 def classify(text: str) -> str:
@@ -56,10 +57,14 @@ def sharegpt_prompts() -> Iterator[Prompt]:
         text = f.read()
     for record in iter_json_array(text):
         turns = record.get("conversations") or []
-        first = next((t.get("value", "") for t in turns if t.get("from") == "human"), "")
-        text = first.strip()
+        first = next((i for i, t in enumerate(turns) if t.get("from") == "human"), None)
+        if first is None:
+            continue
+        text = turns[first].get("value", "").strip()
+        reply = turns[first + 1] if first + 1 < len(turns) else {}
+        answer = reply.get("value", "").strip() if reply.get("from") == "gpt" else ""
         if text:
-            yield Prompt(text, classify(text), "sharegpt")
+            yield Prompt(text, classify(text), "sharegpt", answer or None)
 
 
 def iter_json_array(text: str) -> Iterator[dict]:
@@ -88,8 +93,10 @@ def champ_prompts() -> Iterator[Prompt]:
     problems = json.loads(path.read_text())["problems"]
     for key in sorted(problems):
         text = problems[key].get("_text", "").strip()
+        steps = (problems[key].get("solution") or {}).get("steps") or []
+        answer = "\n".join(step.get("_text", "") for step in steps).strip()
         if text:
-            yield Prompt(text, "math", "champ")
+            yield Prompt(text, "math", "champ", answer or None)
 
 
 _CODE_TEMPLATES = (
@@ -122,7 +129,7 @@ def jsonl_prompts(path: str | Path) -> Iterator[Prompt]:
             domain = row.get("domain") or classify(text)
             if domain not in DOMAINS:
                 raise ValueError(f"{path}:{line_no}: domain {domain!r} is not one of {DOMAINS}")
-            yield Prompt(text, domain, f"jsonl:{Path(path).name}")
+            yield Prompt(text, domain, f"jsonl:{Path(path).name}", row.get("response") or None)
 
 
 class SourceUnavailable(RuntimeError):
