@@ -62,12 +62,12 @@ def test_block_loss_matches_the_reference_loop():
 
 
 def test_reduced_vocabulary_counts_target_mass_outside_it():
-    draft, target, labels, valid, conf = _inputs(vocab=11)
+    draft, target, labels, valid, _conf = _inputs(vocab=11)
     d2t = torch.tensor([0, 2, 3, 5, 7, 8])
     draft = draft[..., : len(d2t)]
     labels[0, 0] = 1  # outside the draft vocabulary: no CE term for it
     terms = block_loss(draft, target, labels, valid, position_weights(4), None, d2t, coef=(1.0, 1.0, 0.0))
-    total, ce, tv, _ = _reference(draft, target, labels, valid, None, None, (1.0, 1.0, 0.0), d2t)
+    _total, ce, tv, _ = _reference(draft, target, labels, valid, None, None, (1.0, 1.0, 0.0), d2t)
     assert abs(terms.ce.item() - ce) < 1e-4 and abs(terms.tv.item() - tv) < 1e-4
     assert terms.conf.item() == 0.0
 

@@ -35,10 +35,7 @@ def load_drafter(
         return NoDrafter()
     if spec == "ngram":
         return NgramDrafter(gamma or 7, device=device)
-    if spec in SHIPPED_NAMES:
-        path = shipped_drafter(spec, target_config)
-    else:
-        path = Path(spec).expanduser()
+    path = shipped_drafter(spec, target_config) if spec in SHIPPED_NAMES else Path(spec).expanduser()
     if not (path / "config.json").is_file():
         raise ValueError(f"unknown drafter {spec!r}; expected one of: {DRAFTER_HELP}")
 

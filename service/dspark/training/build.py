@@ -5,13 +5,12 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
-from torch import nn
-
 from dspark.drafters.checkpoint import build_model
 from dspark.drafters.config import DraftConfig
 from dspark.drafters.dspark_model import DSparkModel
 from dspark.drafters.eagle3_model import Eagle3Model
 from dspark.training.config import DrafterSpec
+from torch import nn
 
 _LAYER_KEYS = (
     "hidden_size",

@@ -11,7 +11,6 @@ their own earlier steps - the same computation `Eagle3Drafter.propose` does at i
 from __future__ import annotations
 
 import torch
-
 from dspark.drafters.dspark_model import DSparkModel
 from dspark.drafters.eagle3_model import Eagle3Model
 from dspark.training.packing import PackedBatch, block_attention_mask

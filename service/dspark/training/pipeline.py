@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from dspark.training.config import TrainConfig
 from dspark.training.features import SHARD_PATTERN, extract_features
 from dspark.training.prompts import PROMPTS_FILE, NoUsableData, read_jsonl, select_prompts, write_prompts
@@ -51,10 +50,9 @@ def _record_time(cfg: TrainConfig, stage: str, seconds: float) -> None:
 
 def prepare_data(cfg: TrainConfig, device: torch.device, dtype: torch.dtype, progress: bool = True) -> list[Path]:
     """Run the missing data stages; returns the feature shard paths."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from dspark.commands.generate import encode_prompt
     from dspark.models.pull import resolve_target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_manifest(cfg)
     data_dir = cfg.data_dir

@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from dspark.engine.config import resolve_device, resolve_dtype
 from dspark.training.config import TrainConfig
 from dspark.training.features import load_sequences

@@ -14,10 +14,9 @@ import random
 import time
 from pathlib import Path
 
-from tqdm import tqdm
-
 from dspark.training.config import DataConfig
 from dspark.training.prompts import read_jsonl
+from tqdm import tqdm
 
 SAMPLES_FILE = "samples.jsonl"
 

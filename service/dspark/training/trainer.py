@@ -17,8 +17,6 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
-
 from dspark.drafters.checkpoint import save_draft_model
 from dspark.drafters.dspark_model import DSparkModel
 from dspark.training.build import draft_vocabulary, drafter_raw_config, new_drafter
@@ -27,6 +25,7 @@ from dspark.training.features import Sequence
 from dspark.training.forward import dspark_block_logits, eagle3_block_logits
 from dspark.training.losses import block_loss, expected_tau, position_weights
 from dspark.training.packing import PackedBatch, pack
+from tqdm import tqdm
 
 log = logging.getLogger(__name__)
 STATE_FILE = "state.pt"
