@@ -18,7 +18,7 @@ from dspark.engine.config import EngineConfig, resolve_device, resolve_dtype
 from dspark.engine.kv_cache import KVCache, check_kv_budget
 from dspark.engine.model_runner import ModelRunner, StepForward
 from dspark.engine.outputs import RequestOutput, RequestStats, StepStats, TokenLogprob
-from dspark.engine.request import Request
+from dspark.engine.request import Request, RequestStatus
 from dspark.engine.sampler import SamplingTensors, logits_to_probs, sample
 from dspark.engine.sampling_params import SamplingParams
 from dspark.engine.scheduler import Scheduler, StepPlan
@@ -249,7 +249,10 @@ class LLMEngine:
                 request.stats.accepted_tokens += n
                 self._accept_counts(draft.lengths[i], n)
                 outputs.append(self._emit(request, new_tokens, row_logits[i, : n + 1]))
-            self.drafter.commit(decodes, _spans(hidden, offsets, [1 + n for n in accepted]))
+            # Requests that just finished were released from the drafter; commit only the live ones.
+            spans = _spans(hidden, offsets, [1 + n for n in accepted])
+            live = [i for i, r in enumerate(decodes) if r.status is not RequestStatus.FINISHED]
+            self.drafter.commit([decodes[i] for i in live], [spans[i] for i in live])
 
         prefills = [(r, c) for r, c in plan.prefills]
         completed = [i for i, (r, c) in enumerate(prefills) if r.num_cached + c == len(r.prompt_token_ids)]
