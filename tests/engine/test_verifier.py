@@ -103,3 +103,20 @@ def test_zero_length_is_a_plain_decode_step():
         torch.zeros(4, 2, dtype=torch.long), None, p, torch.zeros(4, dtype=torch.long), [None] * 4
     )
     assert accepted.tolist() == [0, 0, 0, 0]
+
+
+def test_greedy_fast_path_equals_the_general_rule():
+    from dspark.engine.verifier import verify_greedy
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(64, 5, 4, generator=g)
+    argmax = logits.argmax(-1)
+    drafts = torch.where(
+        torch.rand(64, 4, generator=g) < 0.7, argmax[:, :4], torch.randint(0, 4, (64, 4), generator=g)
+    )
+    lengths = torch.randint(0, 5, (64,), generator=g)
+    st = SamplingTensors.from_params([SamplingParams(temperature=0)] * 64)
+    general = verify_draft_tokens(drafts, None, logits_to_probs(logits, st), lengths, [None] * 64)
+    fast = verify_greedy(drafts, argmax, lengths)
+    assert torch.equal(general[0], fast[0]) and torch.equal(general[1], fast[1])
+    assert 0 < fast[0].float().mean() < 4

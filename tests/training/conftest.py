@@ -12,8 +12,30 @@ from transformers import PreTrainedTokenizerFast
 from tests.conftest import write_tiny_model
 
 WORDS = [
-    "the", "a", "cat", "dog", "runs", "jumps", "over", "under", "fast", "slow", "red", "blue",
-    "one", "two", "three", "plus", "minus", "equals", "def", "return", "print", "loop", "list", "sum",
+    "the",
+    "a",
+    "cat",
+    "dog",
+    "runs",
+    "jumps",
+    "over",
+    "under",
+    "fast",
+    "slow",
+    "red",
+    "blue",
+    "one",
+    "two",
+    "three",
+    "plus",
+    "minus",
+    "equals",
+    "def",
+    "return",
+    "print",
+    "loop",
+    "list",
+    "sum",
 ]
 
 
@@ -57,8 +79,20 @@ def tiny_config(tmp: Path, target: Path, kind: str, prompts: Path, **optim) -> d
             "decontaminate": False,
             "generation_batch": 8,
         },
-        "drafter": {"kind": kind, "num_layers": 1, "block_size": 4, "markov_rank": 8, "draft_vocab_size": 48,
-                    "init_from_target_layers": [3]},
-        "optim": {"max_steps": 6, "sequences_per_step": 4, "anchors_per_sequence": 3, "warmup_steps": 2,
-                  "checkpoint_every": 3, **optim},
+        "drafter": {
+            "kind": kind,
+            "num_layers": 1,
+            "block_size": 4,
+            "markov_rank": 8,
+            "draft_vocab_size": 48,
+            "init_from_target_layers": [3],
+        },
+        "optim": {
+            "max_steps": 6,
+            "sequences_per_step": 4,
+            "anchors_per_sequence": 3,
+            "warmup_steps": 2,
+            "checkpoint_every": 3,
+            **optim,
+        },
     }

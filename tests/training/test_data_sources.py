@@ -12,13 +12,16 @@ from dspark.training.sources import classify, iter_json_array, load_source
 
 EVAL = {
     "gsm8k-test": ["Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning."],
-    "humaneval": ["def add(a, b):\n    \"\"\"Return the sum of a and b.\"\"\""],
+    "humaneval": ['def add(a, b):\n    """Return the sum of a and b."""'],
 }
 
 
 def test_overlap_filter_exact_and_ngram_matches():
     f = OverlapFilter(EVAL, n=8)
-    assert f.match("janet's ducks LAY 16 eggs per day.  She eats three for breakfast every morning") == "gsm8k-test"
+    assert (
+        f.match("janet's ducks LAY 16 eggs per day.  She eats three for breakfast every morning")
+        == "gsm8k-test"
+    )
     # a paraphrase that keeps an 8-word run is still caught
     assert f.match("Question: ducks lay 16 eggs per day she eats three for lunch") == "gsm8k-test"
     assert f.match("def mul(x, y): multiply x by y and give back the product") is None
@@ -54,11 +57,17 @@ def test_selection_drops_eval_overlaps_duplicates_and_long_prompts(tmp_path, mon
         {"prompt": "How many apples are left if I eat two of five?", "domain": "math"},
         {"prompt": "How many apples are left if I eat two of five?", "domain": "math"},
         {"prompt": "word " * 50, "domain": "chat", "response": "fine"},
-        {"prompt": "Tell me a story about a lighthouse keeper", "domain": "chat", "response": "Once upon a time there was a lighthouse keeper who"},
+        {
+            "prompt": "Tell me a story about a lighthouse keeper",
+            "domain": "chat",
+            "response": "Once upon a time there was a lighthouse keeper who",
+        },
     ]
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    monkeypatch.setattr("dspark.training.prompts.EvalSets.installed", classmethod(lambda cls: cls(prompts=EVAL)))
+    monkeypatch.setattr(
+        "dspark.training.prompts.EvalSets.installed", classmethod(lambda cls: cls(prompts=EVAL))
+    )
     cfg = DataConfig(
         sources=[{"source": f"jsonl:{path}", "domains": {"math": 5}}],
         raw_text=[{"source": f"jsonl:{path}", "domains": {"chat": 5}}],
@@ -76,7 +85,9 @@ def test_selection_drops_eval_overlaps_duplicates_and_long_prompts(tmp_path, mon
 def test_selection_with_nothing_usable_raises(tmp_path, monkeypatch):
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"prompt": EVAL["gsm8k-test"][0], "domain": "math"}) + "\n")
-    monkeypatch.setattr("dspark.training.prompts.EvalSets.installed", classmethod(lambda cls: cls(prompts=EVAL)))
+    monkeypatch.setattr(
+        "dspark.training.prompts.EvalSets.installed", classmethod(lambda cls: cls(prompts=EVAL))
+    )
     cfg = DataConfig(sources=[{"source": f"jsonl:{path}", "domains": {"math": 5}}])
     with pytest.raises(NoUsableData, match="no usable training prompts"):
         select_prompts(cfg, _Tok(), _encode)

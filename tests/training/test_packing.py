@@ -14,9 +14,16 @@ from dspark.training.forward import dspark_block_logits, eagle3_block_logits
 from dspark.training.packing import block_attention_mask, pack, sample_anchors
 
 TARGET = {
-    "hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
-    "intermediate_size": 32, "num_hidden_layers": 4, "vocab_size": 40, "rms_norm_eps": 1e-6,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "max_position_embeddings": 128,
+    "hidden_size": 16,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 8,
+    "intermediate_size": 32,
+    "num_hidden_layers": 4,
+    "vocab_size": 40,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "max_position_embeddings": 128,
 }
 
 
@@ -90,7 +97,9 @@ def test_packed_dspark_forward_equals_the_single_block_reference():
             for a in range(3):
                 p = int(batch.anchor_pos[s, a])
                 hidden = model(seq.features[None, :p], seq.tokens[p : p + 1])
-                want, want_conf = model.teacher_forced(hidden, seq.tokens[p : p + 1], batch.labels[s, a][None])
+                want, want_conf = model.teacher_forced(
+                    hidden, seq.tokens[p : p + 1], batch.labels[s, a][None]
+                )
                 torch.testing.assert_close(logits[s * 3 + a], want[0], atol=1e-4, rtol=1e-4)
                 torch.testing.assert_close(conf[s * 3 + a], want_conf[0], atol=1e-4, rtol=1e-4)
 

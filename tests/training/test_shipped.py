@@ -34,7 +34,9 @@ def test_shipped_files_fit_the_budget_and_leave_the_shared_weights_out():
 
 @pytest.mark.parametrize("name", SHIPPED_NAMES)
 def test_shipped_drafter_loads_against_the_default_shape(name):
-    shared = SharedWeights(torch.zeros(49152, 576, dtype=torch.bfloat16), torch.zeros(49152, 576, dtype=torch.bfloat16))
+    shared = SharedWeights(
+        torch.zeros(49152, 576, dtype=torch.bfloat16), torch.zeros(49152, 576, dtype=torch.bfloat16)
+    )
     model = load_draft_model(shipped_drafter(name, SMOLLM), SMOLLM, shared=shared, dtype=torch.bfloat16)
     assert model.config.kind == name and model.config.gamma == 7
     assert tuple(model.config.target_layer_ids) == (1, 14, 26)

@@ -43,7 +43,9 @@ def test_train_exports_a_loadable_drafter_that_the_engine_runs(tmp_path, tiny_ta
         assert "embed_tokens.weight" not in keys
         assert all(f.get_tensor(k).dtype in (torch.bfloat16, torch.long, torch.bool) for k in keys)
     engine = LLMEngine.from_config(
-        EngineConfig(target=str(tiny_target), drafter=str(final), policy="full", dtype="float32", max_model_len=128)
+        EngineConfig(
+            target=str(tiny_target), drafter=str(final), policy="full", dtype="float32", max_model_len=128
+        )
     )
     out = engine.generate([[2, 3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     assert len(out[0].token_ids) == 12 and out[0].stats.rounds >= 1

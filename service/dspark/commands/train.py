@@ -11,8 +11,12 @@ import click
 @click.command()
 @click.argument("config", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--device", default=None, help="Override the config's device (auto | cpu | cuda | cuda:N).")
-@click.option("--max-steps", type=int, default=None, help="Override optim.max_steps (extend or shorten a run).")
-@click.option("--stop-after", type=int, default=None, help="Train this many steps now, then stop (resumable).")
+@click.option(
+    "--max-steps", type=int, default=None, help="Override optim.max_steps (extend or shorten a run)."
+)
+@click.option(
+    "--stop-after", type=int, default=None, help="Train this many steps now, then stop (resumable)."
+)
 @click.option(
     "--export-to",
     type=click.Path(file_okay=False, path_type=Path),

@@ -56,3 +56,18 @@ def verify_draft_tokens(
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_next)
     final = torch.where(rejected[:, None], residual, p_next)
     return num_accepted, sample(final, generators)
+
+
+def verify_greedy(
+    draft_tokens: torch.Tensor, target_argmax: torch.Tensor, lengths: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify_draft_tokens` for greedy rows, without probabilities: accept while the draft equals
+    the target argmax; the next token is the argmax after the accepted prefix.
+
+    draft_tokens [R, G]; target_argmax [R, G + 1]; lengths [R].
+    """
+    gamma = draft_tokens.shape[1]
+    in_budget = torch.arange(gamma, device=lengths.device)[None, :] < lengths[:, None]
+    matched = (draft_tokens == target_argmax[:, :gamma]) & in_budget
+    num_accepted = matched.long().cumprod(dim=1).sum(dim=1)
+    return num_accepted, target_argmax.gather(1, num_accepted[:, None]).squeeze(1)

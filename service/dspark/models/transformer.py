@@ -90,12 +90,15 @@ def _attend_short(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: ShortGroup
 ) -> torch.Tensor:
     """Decode and verification rows: queries padded to [R, n_max], one attention call."""
+    if isinstance(g.slots, int):  # one request: no padding, and its cache prefix is a view
+        keys, values = k_cache[g.slots, :, : g.max_len][None], v_cache[g.slots, :, : g.max_len][None]
+        out = F.scaled_dot_product_attention(
+            q[g.tokens].transpose(0, 1)[None], keys, values, attn_mask=g.mask, enable_gqa=True
+        )
+        return out[0].transpose(0, 1)
     queries = q.new_zeros(g.num_rows, g.max_new, *q.shape[1:])
     queries[g.rows, g.cols] = q[g.tokens]
-    if isinstance(g.slots, int):  # one request: its cache prefix is a view, no copy
-        keys, values = k_cache[g.slots, :, : g.max_len][None], v_cache[g.slots, :, : g.max_len][None]
-    else:
-        keys, values = k_cache[g.slots, :, : g.max_len], v_cache[g.slots, :, : g.max_len]
+    keys, values = k_cache[g.slots, :, : g.max_len], v_cache[g.slots, :, : g.max_len]
     out = F.scaled_dot_product_attention(
         queries.transpose(1, 2), keys, values, attn_mask=g.mask, enable_gqa=True
     )

@@ -136,7 +136,8 @@ class ServingMetrics:
             "|observed - predicted| accepted draft tokens / draft tokens over a recent window.",
         )
         self.policy_fallbacks = counter(
-            "dspark_policy_fallbacks", "Steps scheduled by the safe fixed policy because confidences were unusable."
+            "dspark_policy_fallbacks",
+            "Steps scheduled by the safe fixed policy because confidences were unusable.",
         )
         # Create every series up front so dashboards and scrapers see zeros rather than gaps.
         for metric in (

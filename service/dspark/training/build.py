@@ -111,7 +111,9 @@ def _copy_target_weights(model: nn.Module, state: dict[str, torch.Tensor], layer
     prefixes = (
         [(f"layers.{i}.", f"model.layers.{layer}.") for i, layer in enumerate(layers[: len(model.layers)])]
         if isinstance(model, DSparkModel)
-        else [("midlayer.", f"model.layers.{layers[0]}.")] if layers else []
+        else [("midlayer.", f"model.layers.{layers[0]}.")]
+        if layers
+        else []
     )
     for mine, theirs in prefixes:
         for key in own:

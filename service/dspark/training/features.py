@@ -23,7 +23,9 @@ DOMAIN_IDS = {"chat": 0, "code": 1, "math": 2}
 
 
 @torch.inference_mode()
-def target_hidden(model, sequences: list[list[int]], layers: tuple[int, ...]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def target_hidden(
+    model, sequences: list[list[int]], layers: tuple[int, ...]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per sequence: (concat of the chosen layers' outputs [T, m*h], final normed hidden [T, h])."""
     device = next(model.parameters()).device
     longest = max(len(s) for s in sequences)
@@ -125,5 +127,7 @@ def load_sequences(paths: list[Path], layers: tuple[int, ...], use_layers: tuple
             feats = feats[:, cols]
         for i in range(len(prompt_lens)):
             a, b = int(offsets[i]), int(offsets[i + 1])
-            sequences.append(Sequence(tokens[a:b], feats[a:b], last[a:b], int(prompt_lens[i]), int(domains[i])))
+            sequences.append(
+                Sequence(tokens[a:b], feats[a:b], last[a:b], int(prompt_lens[i]), int(domains[i]))
+            )
     return sequences

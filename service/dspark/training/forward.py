@@ -16,9 +16,7 @@ from dspark.drafters.eagle3_model import Eagle3Model
 from dspark.training.packing import PackedBatch, block_attention_mask
 
 
-def dspark_block_logits(
-    model: DSparkModel, batch: PackedBatch
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def dspark_block_logits(model: DSparkModel, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Draft logits [S*A, G, V] and confidence logits [S*A, G] (or None)."""
     n_seq, n_anchor, gamma = batch.valid.shape
     width = batch.ctx_features.shape[1]

@@ -45,7 +45,9 @@ def sample_anchors(seq: Sequence, count: int, generator: torch.Generator) -> tor
     return candidates[pick].sort().values
 
 
-def pack(sequences: list[Sequence], anchors_per_sequence: int, block_size: int, generator: torch.Generator) -> PackedBatch:
+def pack(
+    sequences: list[Sequence], anchors_per_sequence: int, block_size: int, generator: torch.Generator
+) -> PackedBatch:
     """Pack the blocks of `sequences` (anchors drawn with `generator`) into dense per-sequence tensors."""
     anchors = [sample_anchors(s, anchors_per_sequence, generator) for s in sequences]
     n_seq, n_anchor, gamma = len(sequences), max(1, max(len(a) for a in anchors)), block_size

@@ -48,7 +48,9 @@ def _record_time(cfg: TrainConfig, stage: str, seconds: float) -> None:
     path.write_text(json.dumps(manifest, indent=2) + "\n")
 
 
-def prepare_data(cfg: TrainConfig, device: torch.device, dtype: torch.dtype, progress: bool = True) -> list[Path]:
+def prepare_data(
+    cfg: TrainConfig, device: torch.device, dtype: torch.dtype, progress: bool = True
+) -> list[Path]:
     """Run the missing data stages; returns the feature shard paths."""
     from dspark.commands.generate import encode_prompt
     from dspark.models.pull import resolve_target
@@ -108,7 +110,12 @@ def prepare_data(cfg: TrainConfig, device: torch.device, dtype: torch.dtype, pro
         start = time.perf_counter()
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
         extract_features(
-            model, samples, cfg.data.feature_layers, data_dir, cfg.data.feature_batch_tokens, progress=progress
+            model,
+            samples,
+            cfg.data.feature_layers,
+            data_dir,
+            cfg.data.feature_batch_tokens,
+            progress=progress,
         )
         del model
         _record_time(cfg, "features", time.perf_counter() - start)

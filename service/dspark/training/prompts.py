@@ -90,7 +90,9 @@ def select_prompts(cfg: DataConfig, tokenizer, encode) -> tuple[list[dict], dict
                 chosen.append(row)
                 taken += 1
             if taken < wanted:
-                log.warning("source %s domain %s: only %d of %d prompts usable", spec.source, domain, taken, wanted)
+                log.warning(
+                    "source %s domain %s: only %d of %d prompts usable", spec.source, domain, taken, wanted
+                )
     if not chosen:
         raise NoUsableData(
             "no usable training prompts: every configured source/domain was empty, overlapped the "

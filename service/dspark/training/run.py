@@ -23,7 +23,10 @@ def _target_tensors(model_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     from dspark.drafters.checkpoint import read_state_dict
 
     config = json.loads((model_dir / "config.json").read_text())
-    state = {("model." + k if not k.startswith(("model.", "lm_head")) else k): v for k, v in read_state_dict(model_dir).items()}
+    state = {
+        ("model." + k if not k.startswith(("model.", "lm_head")) else k): v
+        for k, v in read_state_dict(model_dir).items()
+    }
     # read_state_dict strips a leading "model."; HF names are restored above for the copies.
     return config, state
 
@@ -69,7 +72,9 @@ def run_training(
         sequences,
         target_config,
         (embed, head),
-        target_state if cfg.drafter.init_from_target_layers else {"model.norm.weight": target_state["model.norm.weight"]},
+        target_state
+        if cfg.drafter.init_from_target_layers
+        else {"model.norm.weight": target_state["model.norm.weight"]},
         mask_token_for(model_dir),
         dtype,
         device,

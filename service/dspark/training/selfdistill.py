@@ -28,7 +28,9 @@ def sampling_for(index: int, cfg: DataConfig) -> tuple[float, int]:
     return temperature, cfg.seed * 1_000_003 + index
 
 
-def generate_samples(engine, prompts: list[dict], cfg: DataConfig, data_dir: Path, progress: bool = True) -> int:
+def generate_samples(
+    engine, prompts: list[dict], cfg: DataConfig, data_dir: Path, progress: bool = True
+) -> int:
     """Generate responses for prompts not yet in samples.jsonl; returns the number of samples written."""
     from dspark.engine.sampling_params import SamplingParams
 
@@ -43,7 +45,9 @@ def generate_samples(engine, prompts: list[dict], cfg: DataConfig, data_dir: Pat
             params = []
             for i in range(first, first + len(batch)):
                 temperature, seed = sampling_for(i, cfg)
-                params.append(SamplingParams(temperature=temperature, seed=seed, max_tokens=cfg.max_new_tokens))
+                params.append(
+                    SamplingParams(temperature=temperature, seed=seed, max_tokens=cfg.max_new_tokens)
+                )
             results = engine.generate([p["prompt_ids"] for p in batch], params)
             for i, (prompt, result, sp) in enumerate(zip(batch, results, params, strict=True)):
                 row = {

@@ -100,10 +100,10 @@ def champ_prompts() -> Iterator[Prompt]:
 
 
 _CODE_TEMPLATES = (
-    "Write a Python function that solves the LeetCode problem \"{name}\" ({difficulty}, {category}). "
+    'Write a Python function that solves the LeetCode problem "{name}" ({difficulty}, {category}). '
     "Explain the approach and its complexity.",
-    "Solve \"{name}\" in Python. Start with a short description of the idea, then give the code.",
-    "How would you solve the {difficulty} problem \"{name}\"? Give a clean Python solution with comments.",
+    'Solve "{name}" in Python. Start with a short description of the idea, then give the code.',
+    'How would you solve the {difficulty} problem "{name}"? Give a clean Python solution with comments.',
 )
 
 
@@ -114,7 +114,9 @@ def neetcode_prompts() -> Iterator[Prompt]:
         raise SourceUnavailable("neetcode", "pip install --no-deps dsa-tracker-mcp") from exc
     for name, category, difficulty in SEED_PROBLEMS:
         for template in _CODE_TEMPLATES:
-            yield Prompt(template.format(name=name, category=category, difficulty=difficulty), "code", "neetcode")
+            yield Prompt(
+                template.format(name=name, category=category, difficulty=difficulty), "code", "neetcode"
+            )
 
 
 def jsonl_prompts(path: str | Path) -> Iterator[Prompt]:

@@ -37,7 +37,9 @@ def lr_at(step: int, total: int, cfg) -> float:
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+    return cfg.lr * (
+        cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    )
 
 
 def batch_for_step(sequences: list[Sequence], step: int, cfg: TrainConfig) -> PackedBatch:
@@ -45,7 +47,9 @@ def batch_for_step(sequences: list[Sequence], step: int, cfg: TrainConfig) -> Pa
     per_step = cfg.optim.sequences_per_step
     per_epoch = max(1, len(sequences) // per_step)
     epoch, index = divmod(step, per_epoch)
-    order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(cfg.optim.seed * 7919 + epoch))
+    order = torch.randperm(
+        len(sequences), generator=torch.Generator().manual_seed(cfg.optim.seed * 7919 + epoch)
+    )
     chosen = [sequences[int(i)] for i in order[index * per_step : (index + 1) * per_step]]
     generator = torch.Generator().manual_seed(cfg.optim.seed * 1_000_003 + step)
     return pack(chosen, cfg.optim.anchors_per_sequence, cfg.drafter.block_size, generator)
@@ -132,7 +136,9 @@ class Trainer:
         trainable = {k for k, p in self.model.named_parameters() if p.requires_grad}
         state = {
             "config": self.cfg.model_dump(mode="json", exclude={"optim": {"max_steps"}}),
-            "model": {k: v for k, v in self.model.state_dict().items() if k in trainable or "d2t" in k or "t2d" in k},
+            "model": {
+                k: v for k, v in self.model.state_dict().items() if k in trainable or "d2t" in k or "t2d" in k
+            },
             "optimizer": self.optimizer.state_dict(),
             "step": self.step,
             "elapsed_s": self.elapsed,
@@ -169,7 +175,9 @@ class Trainer:
         """Train up to the configured number of steps (or `stop_after` more); returns the last metrics."""
         cfg = self.cfg.optim
         end = self.total if stop_after is None else min(self.total, self.step + stop_after)
-        bar = tqdm(total=self.total, initial=self.step, desc=f"train {self.cfg.drafter.kind}", disable=not progress)
+        bar = tqdm(
+            total=self.total, initial=self.step, desc=f"train {self.cfg.drafter.kind}", disable=not progress
+        )
         metrics: dict = {}
         self.model.train()
         positions, started = 0, time.perf_counter()
@@ -196,7 +204,9 @@ class Trainer:
                 "pos_per_s": round(positions / max(now - started, 1e-9), 1),
             }
             bar.update(1)
-            bar.set_postfix(loss=metrics["loss"], tv=metrics["tv"], tau=metrics["tau_est"], pos_s=metrics["pos_per_s"])
+            bar.set_postfix(
+                loss=metrics["loss"], tv=metrics["tv"], tau=metrics["tau_est"], pos_s=metrics["pos_per_s"]
+            )
             if self.step % cfg.checkpoint_every == 0 or self.step == end:
                 self.elapsed += now - started
                 positions, started = 0, time.perf_counter()
