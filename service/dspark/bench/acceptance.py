@@ -95,7 +95,7 @@ def summarize_domain(rounds: RoundLog, calibration: list[float] | None) -> dict:
             reports = evaluate(full, calibration)
             summary["ece_raw"] = [r.ece_before for r in reports]
             summary["ece_calibrated"] = [r.ece_after for r in reports]
-            summary["auc"] = [r.auc for r in reports]
+            summary["auc"] = [r.auc_after for r in reports]
     return summary
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-DEFAULT_BINS = 15
+DEFAULT_BINS = 10
 
 
 @dataclass

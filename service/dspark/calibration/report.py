@@ -10,12 +10,12 @@ from dspark.calibration.sts import PositionReport
 
 def format_table(reports: list[PositionReport]) -> str:
     lines = [
-        f"{'pos':>3} {'rounds':>7} {'survive':>8} {'T_k':>7} {'ECE before':>11} {'ECE after':>10} {'AUC':>6}"
+        f"{'pos':>3} {'rounds':>7} {'survive':>8} {'T_k':>7} {'ECE before':>11} {'ECE after':>10} {'AUC':>6} {'AUC cal':>7}"
     ]
     for r in reports:
         lines.append(
             f"{r.position:>3} {r.rounds:>7} {r.survival_rate:>8.3f} {r.temperature:>7.3f} "
-            f"{r.ece_before * 100:>10.2f}% {r.ece_after * 100:>9.2f}% {r.auc:>6.3f}"
+            f"{r.ece_before * 100:>10.2f}% {r.ece_after * 100:>9.2f}% {r.auc_before:>6.3f} {r.auc_after:>7.3f}"
         )
     return "\n".join(lines)
 

@@ -24,13 +24,15 @@ class RoundLog:
     request: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=str))  # [N] str
 
     def __post_init__(self) -> None:
-        self.conf_logits = np.asarray(self.conf_logits, dtype=np.float64).reshape(len(self.accepted), -1)
+        self.conf_logits = np.asarray(self.conf_logits, dtype=np.float64)
+        if self.conf_logits.ndim != 2:
+            raise ValueError(f"conf_logits must be [rounds, gamma], got shape {self.conf_logits.shape}")
         self.accepted = np.asarray(self.accepted, dtype=np.int64)
         self.verified = np.asarray(self.verified, dtype=np.int64)
         n = len(self.accepted)
         self.domain = np.asarray(self.domain if len(self.domain) else [""] * n, dtype=str)
         self.request = np.asarray(self.request if len(self.request) else [""] * n, dtype=str)
-        if not (len(self.verified) == len(self.domain) == len(self.request) == n):
+        if not (len(self.conf_logits) == len(self.verified) == len(self.domain) == len(self.request) == n):
             raise ValueError("round arrays differ in length")
         if np.any(self.accepted < 0) or np.any(self.accepted > self.verified):
             raise ValueError("accepted counts must lie in [0, verified]")

@@ -2,7 +2,8 @@
 
 For k = 1..gamma, T_k is the grid point minimising the ECE of a_k = prod_{i<=k} sigmoid(z_i / T_i)
 against observed prefix survival, with T_1..T_{k-1} already fixed. A positive temperature keeps
-the order of every position's confidences, so ranking quality (AUC of c_k) is unchanged.
+the order of every position's confidences c_k (the cumulative a_k may reorder slightly, since its
+factors are rescaled differently, so AUC is reported before and after).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ class PositionReport:
     temperature: float
     ece_before: float
     ece_after: float
-    auc: float  # ROC-AUC of a_k for prefix survival (temperature-invariant per position)
+    auc_before: float  # ROC-AUC of a_k for prefix survival, raw confidences
+    auc_after: float  # the same with the temperatures (products of rescaled factors may reorder)
 
     def as_dict(self) -> dict:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
@@ -77,7 +79,8 @@ def evaluate(
                 else 1.0,
                 ece_before=expected_calibration_error(raw[seen, k], outcome, bins),
                 ece_after=expected_calibration_error(calibrated[seen, k], outcome, bins),
-                auc=roc_auc(calibrated[seen, k], outcome),
+                auc_before=roc_auc(raw[seen, k], outcome),
+                auc_after=roc_auc(calibrated[seen, k], outcome),
             )
         )
     return reports
