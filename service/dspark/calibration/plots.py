@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from dspark.calibration.metrics import DEFAULT_BINS, reliability_bins
+from dspark.calibration.metrics import DEFAULT_BINS, expected_calibration_error, reliability_bins, roc_auc
 from dspark.calibration.rounds import RoundLog, cumulative_confidence
 
 
@@ -32,11 +32,30 @@ def plot_reliability(
             continue
         seen = observed[:, k]
         ax.plot([0, 1], [0, 1], color="0.6", lw=1, ls=":")
+        eces = []
         for (label, probs), marker in zip(curves.items(), ("o", "s"), strict=True):
             r = reliability_bins(probs[seen, k], survived[seen, k], bins)
             used = r.count > 0
             ax.plot(r.confidence[used], r.frequency[used], marker=marker, ms=3, lw=1.2, label=label)
-        ax.set_title(f"position {k + 1} (T={temperatures[k]:.2f}, n={int(seen.sum())})", fontsize=9)
+            eces.append(expected_calibration_error(probs[seen, k], survived[seen, k], bins))
+        # Shaded: where the calibrated predictions fall (share of rounds per bin).
+        hist = ax.twinx()
+        hist.bar(
+            r.edges[:-1],
+            r.count / max(r.count.sum(), 1),
+            width=1 / bins,
+            align="edge",
+            color="0.5",
+            alpha=0.15,
+        )
+        hist.set_ylim(0, 1)
+        hist.set_yticks([])
+        auc = roc_auc(curves["calibrated (STS)"][seen, k], survived[seen, k])
+        ax.set_title(
+            f"position {k + 1}: T={temperatures[k]:.2f}, n={int(seen.sum())}\n"
+            f"ECE {eces[0] * 100:.1f}% -> {eces[1] * 100:.1f}%, AUC {auc:.3f}",
+            fontsize=8,
+        )
         ax.set_xlim(0, 1)
         ax.set_ylim(0, 1)
         ax.set_xlabel("predicted a_k", fontsize=8)
