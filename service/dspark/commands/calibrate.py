@@ -130,6 +130,9 @@ def calibrate(
     if check_report is not None:
         click.echo(f"check on {len(check_rounds)} held-back rounds:")
         click.echo(format_table(check_report))
+    worst = [r.position for r in fit_report if r.ece_after > 0.02]
+    if worst:
+        click.echo(f"warning: ECE after calibration is above 2% at positions {worst}; record more rounds")
     if not no_write:
         Calibration(drafter_id=ident, temperatures=temperatures).save(checkpoint)
         click.echo(f"wrote {checkpoint / 'calibration.json'}")
