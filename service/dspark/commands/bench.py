@@ -81,7 +81,7 @@ def decode(engine_config, domains, num_prompts, max_tokens, lookup, no_hf, outpu
     show_default=True,
     help="Comma-separated block sizes (e.g. 4,7,15); 'native' = each drafter's own.",
 )
-@click.option("--max-num-seqs", type=int, default=8, show_default=True, help="Requests decoded together.")
+@click.option("--max-num-seqs", type=int, default=16, show_default=True, help="Requests decoded together.")
 @click.option(
     "--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True
 )

@@ -21,7 +21,7 @@ from dspark.models.registry import DEFAULT_MODEL
 @click.option(
     "--temperature", type=float, default=1.0, show_default=True, help="Sampling temperature of the rounds."
 )
-@click.option("--max-num-seqs", type=int, default=8, show_default=True, help="Requests decoded together.")
+@click.option("--max-num-seqs", type=int, default=16, show_default=True, help="Requests decoded together.")
 @click.option(
     "--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True
 )
