@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from dspark.calibration.collect import collect_rounds
 from dspark.drafters.calibration import Calibration, drafter_id
@@ -38,3 +39,14 @@ def test_recorded_logits_ignore_calibration_file(tmp_path):
     assert np.array_equal(plain.accepted, again.accepted)
     torch.testing.assert_close(torch.from_numpy(again.conf_logits), torch.from_numpy(plain.conf_logits))
     assert plain.conf_logits.std() > 0.01  # real per-round logits, not a constant
+
+
+def test_shipped_names_resolve_under_the_target(tmp_path, monkeypatch):
+    from dspark.calibration import collect
+
+    monkeypatch.setattr(collect, "SHIPPED_DIR", tmp_path)
+    ckpt = copy_drafter("gated", tmp_path / "smollm2-135m" / "dspark")
+    assert collect.resolve_drafter_dir("dspark", "smollm2-135m") == ckpt
+    assert collect.resolve_drafter_dir(str(ckpt), "anything") == ckpt
+    with pytest.raises(ValueError, match="neither a checkpoint directory"):
+        collect.resolve_drafter_dir("eagle3", "smollm2-135m")
