@@ -66,3 +66,13 @@ def test_round_log_save_load(tmp_path):
     back = RoundLog.load(tmp_path / "r.npz")
     assert np.array_equal(back.conf_logits, rounds.conf_logits)
     assert back.request.tolist() == rounds.request.tolist() and back.domain.tolist() == rounds.domain.tolist()
+
+
+def test_position_that_never_survives_keeps_temperature_near_one():
+    """With no survivors past position 1 every sharper T looks marginally better; STS stays near 1."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(-3.0, 0.5, size=(500, 3))
+    logits[:, 0] = rng.normal(0.0, 1.0, 500)
+    accepted = (rng.random(500) < 1 / (1 + np.exp(-logits[:, 0]))).astype(int)  # 0 or 1, never 2+
+    temperatures, _ = fit_sts(RoundLog(logits, accepted, np.full(500, 3)))
+    assert 0.5 < temperatures[2] <= 1.0

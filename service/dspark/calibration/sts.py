@@ -17,6 +17,7 @@ from dspark.calibration.rounds import RoundLog, _sigmoid, cumulative_confidence
 
 # Geometric grid from 0.05 to 20 (ratio ~1.025 between neighbours), with 1.0 on it.
 TEMPERATURE_GRID = np.unique(np.r_[np.geomspace(0.05, 20.0, 241), 1.0])
+ECE_TOLERANCE = 1e-4
 
 
 @dataclass
@@ -51,8 +52,12 @@ def fit_sts(
         outcome = survived[seen, k]
         # [grid, n]: a_k for every candidate T_k at once.
         candidates = prefix[seen][None, :] * _sigmoid(logits[seen, k][None, :] / grid[:, None])
-        errors = [expected_calibration_error(a, outcome, bins) for a in candidates]
-        best = int(np.argmin(errors))
+        errors = np.array([expected_calibration_error(a, outcome, bins) for a in candidates])
+        # Move away from T = 1 only as far as it measurably helps: among the temperatures within
+        # ECE_TOLERANCE of the best, take the one closest to 1 (positions that almost never survive
+        # otherwise drift to the grid's end for a negligible gain).
+        near = np.flatnonzero(errors <= errors.min() + ECE_TOLERANCE)
+        best = int(near[np.argmin(np.abs(np.log(grid[near])))])
         temperatures.append(float(grid[best]))
         prefix = prefix * _sigmoid(logits[:, k] / grid[best])
     return temperatures, evaluate(rounds, temperatures, bins)
