@@ -111,9 +111,10 @@ def calibrate(
         "rounds": len(rounds),
         "fit_rounds": len(fit_rounds),
         "check_rounds": len(check_rounds) if check_rounds is not None else 0,
-        "temperature": temperature,
-        "max_tokens": max_tokens,
-        "num_prompts": num_prompts,
+        # How the rounds were recorded; unknown here when they come from a file.
+        "temperature": None if rounds_path else temperature,
+        "max_tokens": None if rounds_path else max_tokens,
+        "num_prompts": None if rounds_path else num_prompts,
         "source": str(rounds_path) if rounds_path else "engine",
     }
     report = write_calibration_report(
