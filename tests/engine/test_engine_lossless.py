@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tests.conftest import write_tiny_model
 from tests.engine.helpers import DistributionDrafter, ScriptedDrafter, engine_on
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=20)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 PROMPTS = BUILTIN_PROMPTS["code"] + BUILTIN_PROMPTS["chat"] + BUILTIN_PROMPTS["math"][:4]
 
 
@@ -98,8 +98,8 @@ def analytic_marginals(hf, prompt: list[int], params: SamplingParams) -> list[to
 @pytest.mark.parametrize(
     "params,matched",
     [
-        (SamplingParams(temperature=1.0, max_tokens=3), True),
-        (SamplingParams(temperature=0.9, top_k=5, top_p=0.85, max_tokens=3), False),
+        (SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True), True),
+        (SamplingParams(temperature=0.9, top_k=5, top_p=0.85, max_tokens=3, ignore_eos=True), False),
     ],
     ids=["plain-well-matched", "topk-topp-badly-matched"],
 )

@@ -56,8 +56,9 @@ def test_prefill_and_decode_match_hf_on_random_configs(tiny_dirs, family):
 def test_ragged_batch_equals_per_request_forward(tiny_dirs):
     model = load_target_model(tiny_dirs["qwen3"], torch.float32, CPU)
     g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (9, 17, 5)]
-    follow = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (1, 4, 8)]
+    # the last request's chunks are longer than SHORT_ROW_TOKENS, so they attend on their own
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (9, 17, 5, 45)]
+    follow = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (1, 4, 8, 40)]
 
     alone = []
     for p, f in zip(prompts, follow, strict=True):
@@ -66,10 +67,10 @@ def test_ragged_batch_equals_per_request_forward(tiny_dirs):
         alone.append(forward(model, cache, [(0, len(p), f)])[0])
 
     cache = new_cache(model)
-    forward(model, cache, [(s, 0, p) for s, p in zip((2, 0, 3), prompts, strict=True)])
-    # decode (1 token), verification (4) and prefill-like (8) rows in one ragged batch
+    forward(model, cache, [(s, 0, p) for s, p in zip((2, 0, 3, 1), prompts, strict=True)])
+    # decode (1), verification (4, 8) and prompt-chunk (40) rows in one ragged batch
     mixed = forward(
-        model, cache, [(s, len(p), f) for s, p, f in zip((2, 0, 3), prompts, follow, strict=True)]
+        model, cache, [(s, len(p), f) for s, p, f in zip((2, 0, 3, 1), prompts, follow, strict=True)]
     )
     for a, m in zip(alone, mixed, strict=True):
         assert (a - m).abs().max().item() <= 1e-4

@@ -66,18 +66,25 @@ class GlobalArgmaxPolicy(VerifyPolicy):
         return schedule_global_argmax(confidences, self.profile.sps)
 
 
-def first_token_distribution(policy: VerifyPolicy, rows_per_step: int, steps: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def first_token_distribution(
+    policy: VerifyPolicy, rows_per_step: int, steps: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     n = rows_per_step * steps
-    tokens = torch.stack([torch.multinomial(P_DRAFT[k], n, replacement=True, generator=gen) for k in range(GAMMA)], 1)
+    tokens = torch.stack(
+        [torch.multinomial(P_DRAFT[k], n, replacement=True, generator=gen) for k in range(GAMMA)], 1
+    )
     # c_1 depends on the context only; a per-step sharpness makes the load vary between steps.
     sharpness = (0.1 + 2 * torch.rand(steps, 1, generator=gen)).repeat_interleave(rows_per_step, 0)
     first_conf = torch.rand(n, 1, generator=gen) ** sharpness
     later_conf = NEXT_CONF[torch.arange(GAMMA - 1)[None, :], tokens[:, :-1]]
     conf = torch.cat([first_conf, later_conf], dim=1)
-    lengths = torch.cat([
-        policy.schedule(conf[s : s + rows_per_step], GAMMA, rows_per_step) for s in range(0, n, rows_per_step)
-    ])
+    lengths = torch.cat(
+        [
+            policy.schedule(conf[s : s + rows_per_step], GAMMA, rows_per_step)
+            for s in range(0, n, rows_per_step)
+        ]
+    )
     with torch.random.fork_rng():
         torch.manual_seed(seed + 1)
         accepted, next_token = verify_draft_tokens(

@@ -85,13 +85,17 @@ def test_to_profile_keeps_metadata_and_refined_rates() -> None:
     assert SpsProfile.parse(refined.model_dump_json()) == refined
 
 
-@pytest.mark.parametrize(("b", "seconds"), [(0, 0.1), (8, 0.0), (8, -1.0), (8, float("nan")), (8, float("inf"))])
+@pytest.mark.parametrize(
+    ("b", "seconds"), [(0, 0.1), (8, 0.0), (8, -1.0), (8, float("nan")), (8, float("inf"))]
+)
 def test_bad_observations_are_refused(b: int, seconds: float) -> None:
     with pytest.raises(ValueError):
         OnlineSps(idle_node_prior()).observe(b, seconds)
 
 
-@pytest.mark.parametrize("kwargs", [{"alpha": 0.0}, {"alpha": 1.5}, {"prior_weight": -1}, {"max_jump": 1.0}, {"refresh_every": 0}])
+@pytest.mark.parametrize(
+    "kwargs", [{"alpha": 0.0}, {"alpha": 1.5}, {"prior_weight": -1}, {"max_jump": 1.0}, {"refresh_every": 0}]
+)
 def test_bad_settings_are_refused(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         OnlineSps(idle_node_prior(), **kwargs)

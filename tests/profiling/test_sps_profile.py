@@ -49,7 +49,9 @@ def test_round_trip_keeps_the_layout_and_the_measured_jags(tmp_path: Path) -> No
 
 
 def test_created_defaults_to_now_in_iso8601() -> None:
-    profile = SpsProfile(device="cpu", model="m", dtype="float32", points=[SpsPoint(batch_tokens=1, steps_per_second=2.0)])
+    profile = SpsProfile(
+        device="cpu", model="m", dtype="float32", points=[SpsPoint(batch_tokens=1, steps_per_second=2.0)]
+    )
     assert profile.created.endswith("+00:00") and profile.version == 1
 
 
@@ -65,7 +67,12 @@ def test_created_defaults_to_now_in_iso8601() -> None:
         (valid_dict(points=[{"batch_tokens": 2, "steps_per_second": float("inf")}]), "finite"),
         (valid_dict(points=[{"batch_tokens": 2}]), "points.0.steps_per_second: Field required"),
         (
-            valid_dict(points=[{"batch_tokens": 8, "steps_per_second": 1.0}, {"batch_tokens": 8, "steps_per_second": 2.0}]),
+            valid_dict(
+                points=[
+                    {"batch_tokens": 8, "steps_per_second": 1.0},
+                    {"batch_tokens": 8, "steps_per_second": 2.0},
+                ]
+            ),
             "duplicate batch_tokens [8]",
         ),
         (valid_dict(version=2), "version"),
@@ -113,7 +120,14 @@ def test_lookup_interpolates_and_extrapolates() -> None:
 
 
 def test_extrapolation_never_rises_when_the_last_segment_dips() -> None:
-    rising_end = parse(valid_dict(points=[{"batch_tokens": 1, "steps_per_second": 50.0}, {"batch_tokens": 10, "steps_per_second": 60.0}]))
+    rising_end = parse(
+        valid_dict(
+            points=[
+                {"batch_tokens": 1, "steps_per_second": 50.0},
+                {"batch_tokens": 10, "steps_per_second": 60.0},
+            ]
+        )
+    )
     assert rising_end.sps(1000) == 60.0  # no negative slope: flat at the last measurement
     single = parse(valid_dict(points=[{"batch_tokens": 16, "steps_per_second": 100.0}]))
     assert single.sps(4) == 100.0 and single.sps(32) == pytest.approx(50.0)  # time proportional to B
@@ -152,7 +166,10 @@ def test_default_profile_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     assert a == default_profile_path("/models/a/Qwen3-4B.gguf", "bfloat16", "NVIDIA H200")
     monkeypatch.delenv("DSPARK_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert default_profile_path("m", "float32", "cpu").parent == tmp_path / "home" / ".cache" / "dspark" / "profiles"
+    assert (
+        default_profile_path("m", "float32", "cpu").parent
+        == tmp_path / "home" / ".cache" / "dspark" / "profiles"
+    )
 
 
 def test_current_device_name_is_a_name() -> None:
@@ -168,9 +185,11 @@ def test_profile_format_imports_without_torch() -> None:
     service = Path(__file__).resolve().parents[2] / "service"
     code = (
         "import sys; import dspark.profiling.sps_profile as m; "
-        "m.SpsProfile.parse('{\"device\": \"d\", \"model\": \"m\", \"dtype\": \"float32\", "
-        "\"points\": [{\"batch_tokens\": 1, \"steps_per_second\": 2.0}]}'); "
+        'm.SpsProfile.parse(\'{"device": "d", "model": "m", "dtype": "float32", '
+        '"points": [{"batch_tokens": 1, "steps_per_second": 2.0}]}\'); '
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
-    result = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": str(service)}, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code], env={"PYTHONPATH": str(service)}, capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr

@@ -59,6 +59,71 @@ def decode(engine_config, domains, num_prompts, max_tokens, lookup, no_hf, outpu
     click.echo(f"saved {output}")
 
 
+@bench.command("serve")
+@engine_options
+@click.option("--policies", default="static:1,static:3,full,dspark,dspark-async", show_default=True)
+@click.option("--concurrency", default="1,2,4,8,16,32,64", show_default=True, help="Comma-separated levels.")
+@click.option(
+    "--requests",
+    "requests_per_level",
+    type=int,
+    default=32,
+    show_default=True,
+    help="Finished requests per level (at least 2x the concurrency).",
+)
+@click.option("--max-tokens", type=int, default=64, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--domains", default="code,chat,math", show_default=True)
+@click.option(
+    "--output-dir", type=click.Path(path_type=Path), default=Path("runs/bench-serve"), show_default=True
+)
+def serve_bench(
+    engine_config, policies, concurrency, requests_per_level, max_tokens, temperature, domains, output_dir
+) -> None:
+    """Closed-loop load at rising concurrency: throughput, per-user speed, TTFT, verify budget per policy."""
+    import json
+
+    from dspark.bench.prompts import BUILTIN_PROMPTS
+    from dspark.bench.serve import as_json, plot_serve_bench, run_serve_bench, summarize
+    from dspark.commands.generate import encode_prompt
+    from dspark.commands.options import build_engine
+    from dspark.engine.sampling_params import SamplingParams
+    from dspark.profiling.acquire import acquire_profile, needs_profile
+
+    levels = sorted({int(c) for c in concurrency.split(",")})
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    cfg = engine_config.model_copy(update={"policy": "none", "max_num_seqs": max(levels)})
+    base = build_engine(cfg)
+    sps = acquire_profile(base) if any(needs_profile(n) for n in names) else None
+    prompts = [
+        encode_prompt(base.tokenizer, t) for d in domains.split(",") for t in BUILTIN_PROMPTS[d.strip()]
+    ]
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
+
+    def show(p) -> None:
+        click.echo(
+            f"{p.policy:14s} C={p.concurrency:3d}  {p.aggregate_tokens_per_s:7.1f} tok/s  per-user p50 "
+            f"{p.per_user_p50:6.1f}  TTFT p50 {p.ttft_p50_s:.2f}s  budget {p.mean_verify_budget:.2f}  tau {p.mean_tau:.2f}"
+        )
+
+    points = run_serve_bench(base, names, levels, prompts, params, requests_per_level, sps=sps, progress=show)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    summary = summarize(points)
+    meta = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "config": engine_config.model_dump(),
+        "machine": platform.processor() or platform.machine(),
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+    }
+    (output_dir / "bench-serve.json").write_text(
+        json.dumps({"meta": meta, "summary": summary, "points": as_json(points)}, indent=2)
+    )
+    plot_serve_bench(points, output_dir / "frontier.png", output_dir / "verify-budget.png")
+    click.echo(json.dumps(summary, indent=2))
+    click.echo(f"saved {output_dir}/bench-serve.json, frontier.png, verify-budget.png")
+
+
 @bench.command()
 @click.option("--target", default=DEFAULT_MODEL, show_default=True, help="Model name or HF-format directory.")
 @click.option(

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import click
 
 from dspark.drafters.factory import DRAFTER_HELP
-from dspark.engine.config import EngineConfig
+from dspark.engine.config import SELECTION_FIELDS, EngineConfig
 from dspark.policies.factory import POLICY_HELP
 
 _DEFAULTS = EngineConfig()
@@ -41,18 +41,7 @@ def engine_options(command: Callable) -> Callable:
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
-        fields = (
-            "target",
-            "drafter",
-            "policy",
-            "gamma",
-            "dtype",
-            "device",
-            "max_num_seqs",
-            "max_model_len",
-            "max_batch_tokens",
-        )
-        values = {f: kwargs.pop(f) for f in fields}
+        values = {f: kwargs.pop(f) for f in SELECTION_FIELDS}
         try:
             kwargs["engine_config"] = EngineConfig(**values)
         except ValueError as e:

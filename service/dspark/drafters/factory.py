@@ -9,8 +9,12 @@ import torch
 
 from dspark.drafters.base import Drafter
 from dspark.drafters.checkpoint import SharedWeights
+from dspark.drafters.shipped import SHIPPED_NAMES, shipped_drafter
 
-DRAFTER_HELP = "none | ngram | a drafter checkpoint directory (DSpark, DFlash or EAGLE-3)"
+DRAFTER_HELP = (
+    "none | ngram | dspark | dflash | eagle3 (the shipped drafters of the target) | "
+    "a drafter checkpoint directory (DSpark, DFlash or EAGLE-3)"
+)
 
 
 def load_drafter(
@@ -31,7 +35,7 @@ def load_drafter(
         return NoDrafter()
     if spec == "ngram":
         return NgramDrafter(gamma or 7, device=device)
-    path = Path(spec).expanduser()
+    path = shipped_drafter(spec, target_config) if spec in SHIPPED_NAMES else Path(spec).expanduser()
     if not (path / "config.json").is_file():
         raise ValueError(f"unknown drafter {spec!r}; expected one of: {DRAFTER_HELP}")
 
@@ -41,7 +45,9 @@ def load_drafter(
     from dspark.drafters.dspark_model import DSparkModel
     from dspark.drafters.eagle3_drafter import Eagle3Drafter
 
-    model = load_draft_model(path, target=target_config, shared=shared, device=device, dtype=dtype, gamma=gamma)
+    model = load_draft_model(
+        path, target=target_config, shared=shared, device=device, dtype=dtype, gamma=gamma
+    )
     if isinstance(model, DSparkModel):
         return DSparkDrafter(model, Calibration.find(path, model.config.gamma))
     return Eagle3Drafter(model)

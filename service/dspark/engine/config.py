@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import cache
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -25,7 +26,27 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(16, ge=1, le=4096, description="Requests decoded concurrently (KV slots).")
     max_model_len: int = Field(2048, ge=16, description="Prompt + output tokens per request.")
     max_batch_tokens: int = Field(512, ge=16, description="Token budget of one forward (chunked prefill).")
+    sps_profile: Path | None = Field(
+        None, description="SPS profile JSON (default: $DSPARK_SPS_PROFILE or the cache)."
+    )
+    strict_profile: bool = Field(
+        False, description="Refuse to start without a matching profile instead of profiling."
+    )
     seed: int = 0
+
+
+# The engine fields every engine-running command and the server take as flags.
+SELECTION_FIELDS = (
+    "target",
+    "drafter",
+    "policy",
+    "gamma",
+    "dtype",
+    "device",
+    "max_num_seqs",
+    "max_model_len",
+    "max_batch_tokens",
+)
 
 
 def resolve_device(spec: str) -> torch.device:

@@ -6,6 +6,24 @@ from dataclasses import dataclass
 
 import torch
 
+# Requests adding at most this many tokens (decode and verification rows) share one padded
+# attention call per layer; longer prompt chunks attend one request at a time.
+SHORT_ROW_TOKENS = 32
+
+
+@dataclass
+class ShortGroup:
+    """Requests whose queries are padded to [R_s, n_max] and attend in one call."""
+
+    slots: torch.Tensor | int  # [R_s] (or the slot, when R_s == 1: its cache is then a view)
+    tokens: torch.Tensor  # [T_s] flattened token indices
+    rows: torch.Tensor  # [T_s] request row of each token
+    cols: torch.Tensor  # [T_s] position of each token inside its row
+    num_rows: int
+    max_new: int
+    max_len: int  # longest cache prefix attended (start + n)
+    mask: torch.Tensor | None  # [R_s, 1, n_max, max_len] bool; None when nothing needs masking
+
 
 @dataclass
 class ForwardBatch:
@@ -22,7 +40,8 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] int64
     token_slots: torch.Tensor  # [T] int64
     logit_rows: torch.Tensor  # [N] int64
-    masks: list[torch.Tensor | None]  # per request: bool [n, start + n] or None when not needed
+    short: ShortGroup | None
+    long_rows: list[int]  # requests that attend alone (long prompt chunks)
 
     @classmethod
     def build(
@@ -33,30 +52,60 @@ class ForwardBatch:
         logit_rows: list[int],
         device: torch.device,
     ) -> ForwardBatch:
-        offsets = [0]
-        for n in lengths:
-            offsets.append(offsets[-1] + n)
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths, strict=True)])
-        token_slots = torch.repeat_interleave(torch.tensor(slots), torch.tensor(lengths))
-        masks: list[torch.Tensor | None] = []
-        for s, n in zip(starts, lengths, strict=True):
-            if n == 1:
-                masks.append(None)  # a single query sees the whole cache
-            else:
-                keys = torch.arange(s + n, device=device)
-                queries = torch.arange(s, s + n, device=device)
-                masks.append(keys[None, :] <= queries[:, None])
+        lengths_t = torch.tensor(lengths, dtype=torch.int64)
+        starts_t = torch.tensor(starts, dtype=torch.int64)
+        offsets_t = torch.cat([torch.zeros(1, dtype=torch.int64), lengths_t.cumsum(0)])
+        request_of_token = torch.repeat_interleave(torch.arange(len(lengths)), lengths_t)
+        col = torch.arange(int(offsets_t[-1])) - offsets_t[request_of_token]
+        positions = starts_t[request_of_token] + col
+        short_ids = [i for i, n in enumerate(lengths) if n <= SHORT_ROW_TOKENS]
         return cls(
             slots=slots,
             starts=starts,
             lengths=lengths,
-            offsets=offsets,
+            offsets=offsets_t.tolist(),
             positions=positions.to(device),
-            token_slots=token_slots.to(device),
+            token_slots=torch.tensor(slots, dtype=torch.int64)[request_of_token].to(device),
             logit_rows=torch.tensor(logit_rows, dtype=torch.int64, device=device),
-            masks=masks,
+            short=_short_group(short_ids, slots, starts_t, lengths_t, offsets_t, device)
+            if short_ids
+            else None,
+            long_rows=[i for i, n in enumerate(lengths) if n > SHORT_ROW_TOKENS],
         )
 
     @property
     def num_tokens(self) -> int:
         return self.offsets[-1]
+
+
+def _short_group(
+    ids: list[int],
+    slots: list[int],
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
+    offsets: torch.Tensor,
+    device,
+) -> ShortGroup:
+    idx = torch.tensor(ids, dtype=torch.int64)
+    n, s = lengths[idx], starts[idx]
+    rows = torch.repeat_interleave(torch.arange(len(ids)), n)
+    cols = torch.arange(int(n.sum())) - torch.cat([torch.zeros(1, dtype=torch.int64), n.cumsum(0)[:-1]])[rows]
+    tokens = offsets[idx][rows] + cols
+    max_new, max_len = int(n.max()), int((s + n).max())
+    mask = None
+    if max_new > 1 or len(ids) > 1:
+        keys = torch.arange(max_len)[None, None, :]
+        query_pos = s[:, None, None] + torch.arange(max_new)[None, :, None]
+        valid_query = torch.arange(max_new)[None, :, None] < n[:, None, None]
+        # Padding queries see key 0 only, so no softmax row is empty.
+        mask = torch.where(valid_query, keys <= query_pos, keys == 0)[:, None].to(device)
+    return ShortGroup(
+        slots=slots[ids[0]] if len(ids) == 1 else torch.tensor([slots[i] for i in ids], device=device),
+        tokens=tokens.to(device),
+        rows=rows.to(device),
+        cols=cols.to(device),
+        num_rows=len(ids),
+        max_new=max_new,
+        max_len=max_len,
+        mask=mask,
+    )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -10,7 +12,8 @@ class KVCache:
 
     A request owns one slot; what it has cached is `request.num_cached`, so rejecting draft
     tokens only lowers that counter (their stale entries are overwritten by the next step).
-    Memory is reserved with `torch.empty`, so untouched pages cost nothing on the host.
+    Zero-initialised: padded attention reads masked entries, and 0 x NaN from never-written
+    memory would poison the output.
     """
 
     def __init__(
@@ -24,8 +27,8 @@ class KVCache:
         device: torch.device,
     ) -> None:
         shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
         self._free = list(range(num_slots - 1, -1, -1))
 
@@ -45,3 +48,22 @@ class KVCache:
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes the KV cache may still take on `device`."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_kv_budget(
+    bytes_per_token: int, num_slots: int, max_len: int, device: torch.device, share: float = 0.9
+) -> None:
+    """Refuse, before allocating, a cache that would exhaust memory once it fills."""
+    need, have = bytes_per_token * num_slots * max_len, available_memory(device)
+    if need > share * have:
+        raise ValueError(
+            f"the KV cache for max_num_seqs={num_slots} x max_model_len={max_len} needs {need / 2**30:.1f} GiB, "
+            f"but only {have / 2**30:.1f} GiB is available on {device}; lower max_num_seqs or max_model_len"
+        )

@@ -15,10 +15,10 @@ from dspark.drafters.base import DraftBlock, Drafter
 from dspark.drafters.checkpoint import SharedWeights
 from dspark.drafters.factory import load_drafter
 from dspark.engine.config import EngineConfig, resolve_device, resolve_dtype
-from dspark.engine.kv_cache import KVCache
+from dspark.engine.kv_cache import KVCache, check_kv_budget
 from dspark.engine.model_runner import ModelRunner, StepForward
 from dspark.engine.outputs import RequestOutput, RequestStats, StepStats, TokenLogprob
-from dspark.engine.request import Request
+from dspark.engine.request import Request, RequestStatus
 from dspark.engine.sampler import SamplingTensors, logits_to_probs, sample
 from dspark.engine.sampling_params import SamplingParams
 from dspark.engine.scheduler import Scheduler, StepPlan
@@ -74,6 +74,8 @@ class LLMEngine:
         self.model_name = model_name
         self.max_model_len = min(config.max_model_len, model.config.max_position_embeddings)
         mc = model.config
+        per_token = KVCache.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, head_dim(mc), dtype)
+        check_kv_budget(per_token, config.max_num_seqs, self.max_model_len, device)
         self.cache = KVCache(
             mc.num_hidden_layers,
             config.max_num_seqs,
@@ -199,12 +201,19 @@ class LLMEngine:
             return Draft(DraftBlock(empty, None), [0] * len(decodes))
         block = self.drafter.propose(decodes, self._sampling(decodes))
         t1 = time.perf_counter()
+        fallbacks = getattr(self.policy, "fallbacks", 0)
         lengths = self.policy.schedule(block.confidences, self.drafter.gamma, len(decodes))
+        self._stats.policy_fallback = getattr(self.policy, "fallbacks", 0) > fallbacks
         limit = [r.remaining_tokens - 1 for r in decodes]  # the bonus token must fit in max_tokens
         lengths = lengths.cpu()
         if block.num_valid is not None:
             lengths = torch.minimum(lengths, block.num_valid.cpu())
-        lengths = torch.minimum(lengths, torch.tensor(limit)).clamp_min(0).tolist()
+        lengths = torch.minimum(lengths, torch.tensor(limit)).clamp_min(0)
+        if block.confidences is not None:  # what the confidence head expects to be accepted
+            survival = block.confidences.float().cpu().cumprod(dim=1)
+            verified = torch.arange(survival.shape[1])[None, :] < lengths[:, None]
+            self._stats.predicted_accepted_tokens = float(survival[verified].sum())
+        lengths = lengths.tolist()
         self._stats.draft_time_s = t1 - t0
         self._stats.schedule_time_s = time.perf_counter() - t1
         return Draft(block, lengths)
@@ -240,7 +249,10 @@ class LLMEngine:
                 request.stats.accepted_tokens += n
                 self._accept_counts(draft.lengths[i], n)
                 outputs.append(self._emit(request, new_tokens, row_logits[i, : n + 1]))
-            self.drafter.commit(decodes, _spans(hidden, offsets, [1 + n for n in accepted]))
+            # Requests that just finished were released from the drafter; commit only the live ones.
+            spans = _spans(hidden, offsets, [1 + n for n in accepted])
+            live = [i for i, r in enumerate(decodes) if r.status is not RequestStatus.FINISHED]
+            self.drafter.commit([decodes[i] for i in live], [spans[i] for i in live])
 
         prefills = [(r, c) for r, c in plan.prefills]
         completed = [i for i, (r, c) in enumerate(prefills) if r.num_cached + c == len(r.prompt_token_ids)]

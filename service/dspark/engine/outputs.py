@@ -57,6 +57,8 @@ class StepStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     verify_budgets: list[int] = field(default_factory=list)  # l_r per decoding request
+    predicted_accepted_tokens: float | None = None  # sum of survival a_{r,j} over verified positions
+    policy_fallback: bool = False  # unusable confidences: the policy fell back to a fixed length
     draft_time_s: float = 0.0
     schedule_time_s: float = 0.0
     forward_time_s: float = 0.0

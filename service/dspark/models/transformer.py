@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from dspark.engine.forward_batch import ForwardBatch
+from dspark.engine.forward_batch import ForwardBatch, ShortGroup
 from dspark.engine.kv_cache import KVCache
 from dspark.models.config import head_dim
 from dspark.models.rotary import RotaryEmbedding, apply_rotary
@@ -71,17 +71,42 @@ class Attention(nn.Module):
         v_cache[batch.token_slots, :, batch.positions] = v
 
         out = torch.empty_like(q)
-        for i, slot in enumerate(batch.slots):
-            lo, hi = batch.offsets[i], batch.offsets[i + 1]
-            end = batch.starts[i] + batch.lengths[i]
+        if batch.short is not None:
+            out[batch.short.tokens] = _attend_short(q, k_cache, v_cache, batch.short)
+        for i in batch.long_rows:
+            lo, hi, end = batch.offsets[i], batch.offsets[i + 1], batch.starts[i] + batch.lengths[i]
             out[lo:hi] = F.scaled_dot_product_attention(
                 q[lo:hi].transpose(0, 1)[None],
-                k_cache[slot, :, :end][None],
-                v_cache[slot, :, :end][None],
-                attn_mask=batch.masks[i],
+                k_cache[batch.slots[i], :, :end][None],
+                v_cache[batch.slots[i], :, :end][None],
+                is_causal=batch.starts[i] == 0,
+                attn_mask=None if batch.starts[i] == 0 else _causal_mask(batch.starts[i], hi - lo, q.device),
                 enable_gqa=True,
             )[0].transpose(0, 1)
         return self.o_proj(out.reshape(t, -1))
+
+
+def _attend_short(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: ShortGroup
+) -> torch.Tensor:
+    """Decode and verification rows: queries padded to [R, n_max], one attention call."""
+    queries = q.new_zeros(g.num_rows, g.max_new, *q.shape[1:])
+    queries[g.rows, g.cols] = q[g.tokens]
+    if isinstance(g.slots, int):  # one request: its cache prefix is a view, no copy
+        keys, values = k_cache[g.slots, :, : g.max_len][None], v_cache[g.slots, :, : g.max_len][None]
+    else:
+        keys, values = k_cache[g.slots, :, : g.max_len], v_cache[g.slots, :, : g.max_len]
+    out = F.scaled_dot_product_attention(
+        queries.transpose(1, 2), keys, values, attn_mask=g.mask, enable_gqa=True
+    )
+    return out.transpose(1, 2)[g.rows, g.cols]
+
+
+def _causal_mask(start: int, n: int, device: torch.device) -> torch.Tensor:
+    return (
+        torch.arange(start + n, device=device)[None, :]
+        <= torch.arange(start, start + n, device=device)[:, None]
+    )
 
 
 class MLP(nn.Module):

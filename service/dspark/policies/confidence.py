@@ -58,7 +58,12 @@ class ConfidencePolicy(VerifyPolicy):
         self.fallbacks += 1
         length = min(FALLBACK_LENGTH, gamma)
         if not self._in_fallback:
-            logger.warning("%s: %s; verifying a static %d tokens per request until they are usable", self.name, problem, length)
+            logger.warning(
+                "%s: %s; verifying a static %d tokens per request until they are usable",
+                self.name,
+                problem,
+                length,
+            )
             self._in_fallback = True
         self._on_fallback()
         return torch.full((num_requests,), length, dtype=torch.int64)

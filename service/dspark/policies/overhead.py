@@ -37,11 +37,15 @@ def median_schedule_us(spec: str, requests: int, gamma: int, repeats: int, seed:
 @click.option("--requests", "-R", default=64, show_default=True, help="Requests in the batch.")
 @click.option("--gamma", "-g", default=15, show_default=True, help="Draft block length.")
 @click.option("--repeats", default=500, show_default=True)
-@click.option("--threads", default=1, show_default=True, help="torch CPU threads (the engine's scheduler runs on one).")
+@click.option(
+    "--threads", default=1, show_default=True, help="torch CPU threads (the engine's scheduler runs on one)."
+)
 def main(requests: int, gamma: int, repeats: int, threads: int) -> None:
     """Print the median schedule() time of each policy for R requests x gamma positions."""
     torch.set_num_threads(threads)
-    click.echo(f"schedule() median over {repeats} calls, R={requests}, gamma={gamma}, CPU, {threads} thread(s)")
+    click.echo(
+        f"schedule() median over {repeats} calls, R={requests}, gamma={gamma}, CPU, {threads} thread(s)"
+    )
     click.echo(f"{'policy':<16}{'median us':>10}")
     for spec in POLICIES:
         click.echo(f"{spec:<16}{median_schedule_us(spec, requests, gamma, repeats):>10.1f}")

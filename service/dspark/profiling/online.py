@@ -116,5 +116,8 @@ class OnlineSps:
         """The refined curve as a profile of its own (same metadata, refined rates, new timestamp)."""
         refined = self.sps(self._grid_t).tolist()
         fields = self.prior.model_dump(exclude={"points", "created"})
-        points = [SpsPoint(batch_tokens=int(b), steps_per_second=s) for b, s in zip(self._grid, refined, strict=True)]
+        points = [
+            SpsPoint(batch_tokens=int(b), steps_per_second=s)
+            for b, s in zip(self._grid, refined, strict=True)
+        ]
         return SpsProfile(**fields, points=points)

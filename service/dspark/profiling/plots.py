@@ -33,10 +33,14 @@ def plot_sps_profile(
     xs = profile.batch_tokens()
     dense = torch.linspace(1, xs[-1] * 1.25, 512, dtype=torch.float64)
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
-    ax.plot(dense.tolist(), profile.sps(dense).tolist(), lw=1, color="tab:blue", label="lookup (interp./extrap.)")
+    ax.plot(
+        dense.tolist(), profile.sps(dense).tolist(), lw=1, color="tab:blue", label="lookup (interp./extrap.)"
+    )
     ax.scatter(xs, profile.steps_per_second(), s=10, color="tab:blue", zorder=3, label="measured")
     if refined is not None:
-        ax.plot(dense.tolist(), refined.sps(dense).tolist(), lw=1.2, color="tab:orange", label="online refined")
+        ax.plot(
+            dense.tolist(), refined.sps(dense).tolist(), lw=1.2, color="tab:orange", label="online refined"
+        )
     ax.axvline(xs[-1], color="grey", ls=":", lw=0.8)
     ax.set_xlabel("batch tokens B (verification forward)")
     ax.set_ylabel("steps per second SPS(B)")

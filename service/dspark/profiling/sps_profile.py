@@ -101,7 +101,9 @@ class SpsProfile(BaseModel):
     @classmethod
     def _sorted_unique(cls, points: list[SpsPoint]) -> list[SpsPoint]:
         points = sorted(points, key=lambda p: p.batch_tokens)
-        dupes = sorted({a.batch_tokens for a, b in itertools.pairwise(points) if a.batch_tokens == b.batch_tokens})
+        dupes = sorted(
+            {a.batch_tokens for a, b in itertools.pairwise(points) if a.batch_tokens == b.batch_tokens}
+        )
         if dupes:
             raise ValueError(f"duplicate batch_tokens {dupes}: each batch size must be measured once")
         return points
@@ -144,7 +146,8 @@ class SpsProfile(BaseModel):
             profile = cls.model_validate(data)
         except ValidationError as exc:
             problems = "; ".join(
-                f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}" for err in exc.errors()
+                f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}"
+                for err in exc.errors()
             )
             raise ProfileError(f"SPS profile {source} is invalid: {problems}") from None
         profile._source = source
@@ -168,7 +171,11 @@ class SpsProfile(BaseModel):
 
     def mismatches(self, model: str, dtype: str, device: str) -> list[str]:
         found = []
-        for what, mine, theirs in (("model", self.model, model), ("dtype", self.dtype, dtype), ("device", self.device, device)):
+        for what, mine, theirs in (
+            ("model", self.model, model),
+            ("dtype", self.dtype, dtype),
+            ("device", self.device, device),
+        ):
             if mine != theirs:
                 found.append(f"{what} {mine!r} (engine runs {theirs!r})")
         return found
@@ -181,7 +188,8 @@ class SpsProfile(BaseModel):
         found = self.mismatches(model, dtype, device)
         if found:
             raise ProfileError(
-                f"refusing SPS profile {self.source}: it was measured for " + ", ".join(found)
+                f"refusing SPS profile {self.source}: it was measured for "
+                + ", ".join(found)
                 + "; profile this engine again or point to the matching profile"
             )
 

@@ -21,6 +21,10 @@ def synthetic_profile(
         ms = fixed_ms + per_token_us * b / 1000.0 + tile_ms * ((b - 1) // tile)
         points.append(SpsPoint(batch_tokens=b, steps_per_second=1000.0 / ms))
     return SpsProfile(
-        device=device, node_type="synthetic", model=model, dtype="bfloat16",
-        engine={"max_batch_tokens": max_batch_tokens}, points=points,
+        device=device,
+        node_type="synthetic",
+        model=model,
+        dtype="bfloat16",
+        engine={"max_batch_tokens": max_batch_tokens},
+        points=points,
     )

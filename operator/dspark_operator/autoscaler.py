@@ -1,0 +1,168 @@
+"""One autoscaling pass over a service's tiers: read metrics, decide, fit the budget, patch."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from prometheus_client import Gauge
+
+from dspark_operator import builders
+from dspark_operator.config import OperatorConfig
+from dspark_operator.kube import Kube
+from dspark_operator.metrics import PodMetricsReader, PrometheusMetricsReader
+from dspark_operator.profile import SpsProfile
+from dspark_operator.profiling import Event
+from dspark_operator.scaling import (
+    CapacityModel,
+    Decision,
+    ScalingMemory,
+    ScalingPolicy,
+    TierMetrics,
+    TierTarget,
+    apportion_by_priority,
+    decide,
+)
+from dspark_operator.serving import set_workload_replicas, workload_replicas
+from dspark_operator.spec import ServiceSpec
+
+DESIRED_REPLICAS = Gauge(
+    "dspark_desired_replicas", "Replicas the DSpark operator wants for a service tier", ["namespace", "service", "tier"]
+)
+
+
+class TierMetricsSource(Protocol):
+    def read_tier(self, kube: Kube, namespace: str, service: str, tier: str) -> TierMetrics | None: ...
+
+
+class PodsSource:
+    """Scrape the tier's ready pods directly."""
+
+    def __init__(self) -> None:
+        self.reader = PodMetricsReader()
+
+    def read_tier(self, kube: Kube, namespace: str, service: str, tier: str) -> TierMetrics | None:
+        pods = kube.list("Pod", namespace, {builders.LABEL_SERVICE: service, builders.LABEL_TIER: tier})
+        return self.reader.read((namespace, service, tier), [url for pod in pods if (url := _metrics_url(pod))])
+
+
+class PrometheusSource:
+    def __init__(self, url: str, window: str) -> None:
+        self.reader = PrometheusMetricsReader(url, window)
+
+    def read_tier(self, kube: Kube, namespace: str, service: str, tier: str) -> TierMetrics | None:
+        return self.reader.read(namespace, service, tier)
+
+
+def metrics_source(config: OperatorConfig) -> TierMetricsSource:
+    if config.prometheus_url:
+        return PrometheusSource(config.prometheus_url, config.prometheus_window)
+    return PodsSource()
+
+
+def _metrics_url(pod: dict[str, Any]) -> str | None:
+    status = pod.get("status") or {}
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+    if status.get("phase") != "Running" or not ready or not status.get("podIP"):
+        return None
+    ports = [p for c in pod["spec"].get("containers", []) for p in c.get("ports") or [] if p.get("name") == "http"]
+    return f"http://{status['podIP']}:{ports[0]['containerPort'] if ports else 8000}/metrics"
+
+
+@dataclass
+class AutoscaleOutcome:
+    tiers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    events: list[Event] = field(default_factory=list)
+    summary: str = ""
+
+
+def _capacity(kube: Kube, namespace: str, configmap: str, config: OperatorConfig, cache: dict) -> CapacityModel | None:
+    cm = kube.get("ConfigMap", namespace, configmap)
+    if cm is None:
+        return None
+    raw = cm["data"][builders.PROFILE_KEY]
+    if cache.get(configmap, (None,))[0] != raw:
+        cache[configmap] = (raw, SpsProfile.model_validate_json(raw))
+    return CapacityModel(cache[configmap][1], config.default_accepted_per_step, config.default_verify_tokens)
+
+
+def autoscale_service(
+    kube: Kube,
+    body: dict[str, Any],
+    spec: ServiceSpec,
+    config: OperatorConfig,
+    source: TierMetricsSource,
+    profile_cache: dict,
+    now: float,
+) -> AutoscaleOutcome:
+    namespace, service = body["metadata"]["namespace"], body["metadata"]["name"]
+    tier_status: dict[str, Any] = (body.get("status") or {}).get("tiers") or {}
+    a = spec.autoscaling
+    policy = ScalingPolicy(a.tolerance, a.scale_up_cooldown_seconds, a.scale_down_cooldown_seconds, a.max_scale_up_factor)
+    outcome = AutoscaleOutcome()
+    decisions: dict[str, tuple[Decision, ScalingMemory, str, str, TierMetrics | None]] = {}
+
+    for tier in spec.tiers:
+        status = tier_status.get(tier.name) or {}
+        if status.get("state") != "Deployed":
+            continue
+        last = status.get("lastEvaluated")
+        if last is not None and now - float(last) < a.interval_seconds:
+            continue
+        kind, name = status["kind"], status["workload"]
+        current = workload_replicas(kube, kind, namespace, name)
+        if current is None:
+            continue  # the reconciler has not created it yet
+        memory = ScalingMemory.from_status(status)
+        if memory.last_scale_time is None:
+            # A new workload counts as just scaled, so nothing scales down before one cool-down.
+            memory = replace(memory, last_scale_time=now)
+        capacity = _capacity(kube, namespace, builders.profile_configmap_name(service, status["nodeType"]), config,
+                             profile_cache)
+        metrics = source.read_tier(kube, namespace, service, tier.name)
+        target = TierTarget(tier.tokens_per_second_per_user, tier.ttft_p95_seconds, tier.min_replicas, tier.max_replicas)
+        decision = decide(current, metrics, target, capacity, policy, memory, now)
+        decisions[tier.name] = (decision, memory, kind, name, metrics)
+
+    granted = apportion_by_priority(
+        {t: d.desired for t, (d, *_rest) in decisions.items()},
+        {t.name: t.min_replicas for t in spec.tiers},
+        {t.name: t.priority for t in spec.tiers},
+        a.max_total_replicas,
+    )
+    for tier_name, (decision, old_memory, kind, name, metrics) in decisions.items():
+        desired, reason, memory = granted[tier_name], decision.reason, decision.memory
+        if desired != decision.desired:
+            reason += f"; limited to {desired} by maxTotalReplicas {a.max_total_replicas}"
+        if desired == decision.current:  # no scaling happened: the cool-down clock keeps running
+            memory = replace(memory, last_scale_time=old_memory.last_scale_time, last_direction=old_memory.last_direction)
+        if desired != decision.current:
+            set_workload_replicas(kube, kind, namespace, name, desired)
+            verb = "ScaledUp" if desired > decision.current else "ScaledDown"
+            outcome.events.append(Event("Normal", verb, f"tier {tier_name}: {decision.current} -> {desired}: {reason}"))
+        DESIRED_REPLICAS.labels(namespace, service, tier_name).set(desired)
+        outcome.tiers[tier_name] = {
+            "currentReplicas": decision.current,
+            "desiredReplicas": desired,
+            "recommendation": decision.recommendation,
+            "lastTokensPerSecond": metrics.tokens_per_second_p50 if metrics else None,
+            "lastTtftP95Seconds": metrics.ttft_p95_seconds if metrics else None,
+            "lastDecision": reason,
+            "lastEvaluated": now,
+            **memory.to_status(),
+        }
+    merged = {**{t: dict(s) for t, s in tier_status.items()}}
+    for t, s in outcome.tiers.items():
+        merged.setdefault(t, {}).update(s)
+    outcome.summary = ", ".join(
+        f"{t.name} {merged.get(t.name, {}).get('currentReplicas', '-')}/{merged.get(t.name, {}).get('desiredReplicas', '-')}"
+        for t in spec.tiers
+    )
+    return outcome
+
+
+def forget_service(namespace: str, service: str, tiers: list[str]) -> None:
+    for tier in tiers:
+        with contextlib.suppress(KeyError):
+            DESIRED_REPLICAS.remove(namespace, service, tier)

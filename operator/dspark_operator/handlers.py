@@ -1,0 +1,204 @@
+"""kopf handlers: reconcile profiles and workloads, autoscale tiers. Run with `python -m dspark_operator`."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import logging
+import threading
+import time
+from collections import defaultdict
+from typing import Any
+
+import kopf
+import pydantic
+from prometheus_client import start_http_server
+
+from dspark_operator.autoscaler import autoscale_service, forget_service, metrics_source
+from dspark_operator.config import OperatorConfig
+from dspark_operator.kube import Kube, connection_settings, load_client_configuration
+from dspark_operator.profiling import observe_node_types, reconcile_profile
+from dspark_operator.serving import reconcile_workloads
+from dspark_operator.spec import GROUP, PLURAL, VERSION, ServiceSpec
+
+CONFIG = OperatorConfig.from_env()
+RESOURCE = (GROUP, VERSION, PLURAL)
+
+
+class _State:
+    """Process-wide clients, created at start-up (after the kubeconfig is loaded)."""
+
+    kube: Kube
+    source: Any
+    profile_cache: dict = {}  # noqa: RUF012  (one per process, on purpose)
+
+
+@kopf.on.startup()
+def start(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
+    # Progress and diff-base in annotations: the status belongs to this operator's own fields.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kopf.dspark.ai")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="kopf.dspark.ai")
+    settings.scanning.disabled = True  # the CRD is installed before the operator: no CRD/namespace watching
+    settings.posting.level = logging.WARNING
+    # Timers hold kopf's finalizer; a deletion that lands mid-pass is re-checked this soon, not in 60 s.
+    settings.background.cancellation_polling = 2
+    load_client_configuration()
+    _State.kube = Kube.from_default_configuration()
+    _State.source = metrics_source(CONFIG)
+    if CONFIG.metrics_port:
+        start_http_server(CONFIG.metrics_port)
+    logger.info("dspark operator started: %s", CONFIG.model_dump())
+
+
+@kopf.on.login()
+def login(**_: Any) -> kopf.ConnectionInfo:
+    """kopf connects exactly as the Kubernetes client does (in-cluster, else KUBECONFIG)."""
+    load_client_configuration()
+    return kopf.ConnectionInfo(**connection_settings())
+
+
+def _post(body: dict[str, Any], events: list) -> None:
+    for event in events:
+        (kopf.warn if event.type == "Warning" else kopf.info)(body, reason=event.reason, message=event.message)
+
+
+def _condition(old: list[dict], type_: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
+    status = "True" if ok else "False"
+    previous = next((c for c in old if c.get("type") == type_), None)
+    changed = previous is None or previous.get("status") != status
+    now = datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z")
+    return {"type": type_, "status": status, "reason": reason, "message": message,
+            "lastTransitionTime": now if changed else previous.get("lastTransitionTime", now)}
+
+
+def _parse_spec(body: dict[str, Any], patch: kopf.Patch) -> ServiceSpec | None:
+    try:
+        return ServiceSpec.model_validate(dict(body["spec"]))
+    except pydantic.ValidationError as exc:
+        message = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        old = list((body.get("status") or {}).get("conditions") or [])
+        patch.status["phase"] = "Invalid"
+        patch.status["conditions"] = [_condition(old, "SpecValid", False, "InvalidSpec", message)]
+        return None
+
+
+_RECONCILE_LOCKS: dict[str, threading.Lock] = defaultdict(threading.Lock)
+
+
+def reconcile(body: dict[str, Any], patch: kopf.Patch, logger: logging.Logger) -> None:
+    """Level-triggered: profiles for present node types, then workloads for tiers with a ready profile.
+
+    The change handlers and the timer may fire together; one pass per service at a time keeps
+    a pass from acting on what another pass is halfway through changing.
+    """
+    with _RECONCILE_LOCKS[body["metadata"]["uid"]]:
+        _reconcile(body, patch, logger)
+
+
+def _reconcile(body: dict[str, Any], patch: kopf.Patch, logger: logging.Logger) -> None:
+    spec = _parse_spec(body, patch)
+    if spec is None:
+        kopf.warn(body, reason="InvalidSpec", message=patch.status["conditions"][0]["message"])
+        return
+    kube, now = _State.kube, time.time()
+    status = body.get("status") or {}
+    node_label = spec.node_type_label or CONFIG.node_label
+    present = observe_node_types(kube, node_label, spec.node_types)
+
+    old_profiles: dict[str, Any] = status.get("profiles") or {}
+    profiles: dict[str, Any] = {t: None for t in old_profiles if t not in present}  # None removes the key
+    events = []
+    for node_type in present:
+        outcome = reconcile_profile(kube, body, spec, node_label, node_type, old_profiles.get(node_type), now,
+                                    CONFIG.profile_timeout_grace_seconds)
+        profiles[node_type] = outcome.status
+        events += outcome.events
+    ready = {t: p["fingerprint"] for t, p in profiles.items() if p and p.get("state") == "Ready"}
+
+    workloads = reconcile_workloads(kube, body, spec, node_label, ready, status.get("tiers") or {})
+    events += workloads.events
+    _post(body, events)
+    if workloads.kserve_missing:
+        kopf.warn(body, reason="KServeMissing", message="serving.kind InferenceService but KServe's CRD is absent; "
+                  "serving with Deployments")
+
+    tiers_patch = {}
+    for name, placement in workloads.tiers.items():
+        created = placement.pop("created", False)
+        tiers_patch[name] = {**placement, **({"lastScaleTime": now} if created else {})}
+    for name in (status.get("tiers") or {}):
+        if name not in workloads.tiers:
+            tiers_patch[name] = None
+    failed = [t for t, p in profiles.items() if p and p.get("state") == "Failed"]
+    deployed = [t for t, p in workloads.tiers.items() if p["state"] == "Deployed"]
+    old_conditions = list(status.get("conditions") or [])
+    conditions = [
+        _condition(old_conditions, "SpecValid", True, "Valid", ""),
+        _condition(old_conditions, "ProfilesReady", bool(ready) and not failed,
+                   "Failed" if failed else ("Ready" if ready else "Profiling"),
+                   f"ready on {sorted(ready)}" + (f"; failed on {failed}" if failed else "")
+                   if present else f"no node carries {node_label} in {list(spec.node_types)}"),
+        _condition(old_conditions, "TiersDeployed", len(deployed) == len(spec.tiers),
+                   "Deployed" if len(deployed) == len(spec.tiers) else "WaitingForProfile",
+                   f"{len(deployed)}/{len(spec.tiers)} tiers deployed"),
+    ]
+    if workloads.kserve_missing:
+        conditions.append(_condition(old_conditions, "KServeAvailable", False, "CRDMissing",
+                                     "KServe is not installed; using Deployments"))
+    phase = ("Ready" if len(deployed) == len(spec.tiers) and not failed
+             else "Degraded" if failed else "Profiling")
+    patch.status.update({
+        "phase": phase,
+        "profiles": profiles,
+        "profilesReady": f"{len(ready)}/{len(present)}",
+        "tiers": tiers_patch,
+        "conditions": conditions,
+        "observedGeneration": body["metadata"].get("generation"),
+    })
+
+
+@kopf.on.resume(*RESOURCE)
+@kopf.on.create(*RESOURCE)
+@kopf.on.update(*RESOURCE, field="spec")
+def on_service_change(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
+    reconcile(_plain(body), patch, logger)
+
+
+@kopf.timer(*RESOURCE, interval=CONFIG.reconcile_seconds)
+def reconcile_timer(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
+    reconcile(_plain(body), patch, logger)
+
+
+@kopf.timer(*RESOURCE, interval=CONFIG.autoscale_tick_seconds)
+def autoscale_timer(
+    body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, stopped: kopf.DaemonStopped, **_: Any
+) -> None:
+    plain = _plain(body)
+    try:
+        spec = ServiceSpec.model_validate(plain["spec"])
+    except pydantic.ValidationError:
+        return  # reconcile reports it
+    outcome = autoscale_service(_State.kube, plain, spec, CONFIG, _State.source, _State.profile_cache, time.time())
+    if stopped:  # deleted while this pass ran: leave no metric series behind
+        forget_service(plain["metadata"]["namespace"], plain["metadata"]["name"], [t.name for t in spec.tiers])
+        return
+    _post(plain, outcome.events)
+    for event in outcome.events:
+        logger.info("%s: %s", event.reason, event.message)
+    if outcome.tiers:
+        patch.status["tiers"] = outcome.tiers
+        patch.status["replicasSummary"] = outcome.summary
+
+
+@kopf.on.event(*RESOURCE)
+def on_service_event(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
+    """Drop the deleted service's metric series; Kubernetes' garbage collector removes its objects."""
+    if event.get("type") == "DELETED":
+        _RECONCILE_LOCKS.pop(body["metadata"].get("uid", ""), None)
+        tiers = [t.get("name") for t in (body.get("spec") or {}).get("tiers") or []]
+        forget_service(body["metadata"]["namespace"], body["metadata"]["name"], tiers)
+
+
+def _plain(body: kopf.Body) -> dict[str, Any]:
+    """kopf's Body as plain dicts, as the builders expect."""
+    return copy.deepcopy(dict(body))

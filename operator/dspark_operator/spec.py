@@ -1,0 +1,97 @@
+"""Typed view of a DSparkService spec, validated once when a handler receives it."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+GROUP = "dspark.ai"
+VERSION = "v1alpha1"
+PLURAL = "dsparkservices"
+KIND = "DSparkService"
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(populate_by_name=True, extra="ignore", frozen=True)
+
+
+class PvcSource(_Spec):
+    claim_name: str = Field(alias="claimName", min_length=1)
+    mount_path: str = Field("/models", alias="mountPath")
+    sub_path: str | None = Field(None, alias="subPath")
+
+
+class ModelSource(_Spec):
+    target: str = Field(min_length=1)
+    drafter: str | None = None
+    calibration: str | None = None
+    pvc: PvcSource | None = None
+
+
+class ServingSpec(_Spec):
+    kind: Literal["Deployment", "InferenceService"] = "Deployment"
+    port: int = Field(8000, ge=1, le=65535)
+
+
+class ProfilingSpec(_Spec):
+    timeout_seconds: int = Field(1800, alias="timeoutSeconds", ge=1)
+    max_attempts: int = Field(5, alias="maxAttempts", ge=1)
+    backoff_seconds: float = Field(60, alias="backoffSeconds", gt=0)
+    extra_args: tuple[str, ...] = Field((), alias="extraArgs")
+
+
+class AutoscalingSpec(_Spec):
+    interval_seconds: float = Field(15, alias="intervalSeconds", gt=0)
+    scale_up_cooldown_seconds: float = Field(60, alias="scaleUpCooldownSeconds", ge=0)
+    scale_down_cooldown_seconds: float = Field(300, alias="scaleDownCooldownSeconds", ge=0)
+    tolerance: float = Field(0.1, ge=0, le=0.5)
+    max_scale_up_factor: float = Field(2.0, alias="maxScaleUpFactor", ge=1)
+    max_total_replicas: int | None = Field(None, alias="maxTotalReplicas", ge=1)
+
+
+class TierSpec(_Spec):
+    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]{0,18}[a-z0-9])?$")
+    tokens_per_second_per_user: float = Field(alias="tokensPerSecondPerUser", gt=0)
+    ttft_p95_seconds: float = Field(alias="ttftP95Seconds", gt=0)
+    min_replicas: int = Field(1, alias="minReplicas", ge=0)
+    max_replicas: int = Field(4, alias="maxReplicas", ge=1)
+    priority: int = 0
+    node_types: tuple[str, ...] = Field((), alias="nodeTypes")
+
+    @model_validator(mode="after")
+    def _bounds_ordered(self) -> TierSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"tier {self.name!r}: minReplicas {self.min_replicas} > maxReplicas {self.max_replicas}")
+        return self
+
+
+class ServiceSpec(_Spec):
+    model: ModelSource
+    image: str = Field(min_length=1)
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent", alias="imagePullPolicy")
+    policy: str = "dspark"
+    dtype: str = "bfloat16"
+    extra_args: tuple[str, ...] = Field((), alias="extraArgs")
+    env: tuple[dict[str, Any], ...] = ()
+    resources: dict[str, Any] = Field(default_factory=dict)
+    node_type_label: str | None = Field(None, alias="nodeTypeLabel")
+    node_types: tuple[str, ...] = Field(alias="nodeTypes", min_length=1)
+    serving: ServingSpec = ServingSpec()
+    profiling: ProfilingSpec = ProfilingSpec()
+    autoscaling: AutoscalingSpec = AutoscalingSpec()
+    tiers: tuple[TierSpec, ...] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique_tier_names(self) -> ServiceSpec:
+        names = [tier.name for tier in self.tiers]
+        if len(names) != len(set(names)):
+            raise ValueError(f"tier names must be unique, got {names}")
+        for tier in self.tiers:
+            if unknown := set(tier.node_types) - set(self.node_types):
+                raise ValueError(f"tier {tier.name!r}: nodeTypes {sorted(unknown)} are not in the service's nodeTypes")
+        return self
+
+    def tier_node_types(self, tier: TierSpec) -> tuple[str, ...]:
+        """The node types a tier may run on, most preferred first."""
+        return tier.node_types or self.node_types

@@ -1,0 +1,177 @@
+"""`dspark bench serve`: closed-loop load against the engine in-process, one curve per policy."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+from dspark.engine.llm_engine import LLMEngine
+from dspark.engine.sampling_params import SamplingParams
+from dspark.policies.factory import build_policy
+
+
+@dataclass
+class LoadPoint:
+    """One (policy, concurrency) run."""
+
+    policy: str
+    concurrency: int
+    requests: int
+    output_tokens: int
+    seconds: float
+    aggregate_tokens_per_s: float
+    per_user_p50: float
+    per_user_p10: float
+    ttft_p50_s: float
+    ttft_p90_s: float
+    mean_verify_budget: float  # l_r averaged over decoding requests and steps
+    mean_tau: float
+    scheduler_share: float  # scheduler time / step time
+    extra: dict = field(default_factory=dict)
+
+
+def run_closed_loop(
+    engine: LLMEngine, prompts: list[list[int]], concurrency: int, requests: int, params: SamplingParams
+) -> LoadPoint:
+    """Keep `concurrency` requests in flight until `requests` have finished."""
+    finished, budgets, sched, steps = [], [], 0.0, 0.0
+    issued = 0
+
+    tracked = {}
+
+    def issue() -> None:
+        nonlocal issued
+        rid = engine.add_request(prompts[issued % len(prompts)], params)
+        tracked[rid] = engine.requests[rid]
+        issued += 1
+
+    start = time.perf_counter()
+    for _ in range(min(concurrency, requests)):
+        issue()
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        stats = engine.last_step_stats
+        budgets.extend(stats.verify_budgets)
+        sched += stats.schedule_time_s
+        steps += stats.step_time_s
+        for out in outputs:
+            if out.finished:
+                finished.append(tracked.pop(out.request_id))
+                if issued < requests:
+                    issue()
+    elapsed = time.perf_counter() - start
+    per_user, ttft, taus, tokens = [], [], [], 0
+    for r in finished:
+        n = len(r.output_token_ids)
+        tokens += n
+        s = r.stats
+        ttft.append(s.first_token_time - s.arrival_time)
+        if n > 1 and s.finish_time > s.first_token_time:
+            per_user.append((n - 1) / (s.finish_time - s.first_token_time))
+        if s.rounds:
+            taus.append(s.tau)
+    return LoadPoint(
+        policy=engine.policy.name,
+        concurrency=concurrency,
+        requests=len(finished),
+        output_tokens=tokens,
+        seconds=elapsed,
+        aggregate_tokens_per_s=tokens / elapsed,
+        per_user_p50=statistics.median(per_user) if per_user else 0.0,
+        per_user_p10=_quantile(per_user, 0.1),
+        ttft_p50_s=statistics.median(ttft),
+        ttft_p90_s=_quantile(ttft, 0.9),
+        mean_verify_budget=statistics.fmean(budgets) if budgets else 0.0,
+        mean_tau=statistics.fmean(taus) if taus else 0.0,
+        scheduler_share=sched / steps if steps else 0.0,
+    )
+
+
+def _quantile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[max(0, min(98, round(q * 100) - 1))]
+
+
+def run_serve_bench(
+    base: LLMEngine,
+    policies: list[str],
+    concurrencies: list[int],
+    prompts: list[list[int]],
+    params: SamplingParams,
+    requests_per_level: int,
+    sps=None,
+    progress=None,
+) -> list[LoadPoint]:
+    """Every policy at every concurrency on the same prompts, same drafter, same weights."""
+    points = []
+    for c in concurrencies:
+        for spec in policies:
+            engine = base.sibling(base.drafter, build_policy(spec, sps=sps), max_num_seqs=c)
+            engine.generate(prompts[:1], params.model_copy(update={"max_tokens": 4}))  # warm-up
+            points.append(run_closed_loop(engine, prompts, c, max(requests_per_level, 2 * c), params))
+            del engine
+            if progress:
+                progress(points[-1])
+    return points
+
+
+def summarize(points: list[LoadPoint], baseline: str = "static:1") -> dict:
+    """Acceptance figures: DSpark vs the best fixed policy per level, and vs gamma = 1 where it halves."""
+    by_level: dict[int, dict[str, LoadPoint]] = {}
+    for p in points:
+        by_level.setdefault(p.concurrency, {})[p.policy] = p
+    fixed = [n for n in {p.policy for p in points} if n.startswith("static") or n in ("full", "none")]
+    rows = []
+    for c, level in sorted(by_level.items()):
+        best_fixed = max(
+            (level[n] for n in fixed if n in level), key=lambda p: p.aggregate_tokens_per_s, default=None
+        )
+        row = {"concurrency": c, "best_fixed": best_fixed.policy if best_fixed else None}
+        for name in ("dspark", "dspark-async"):
+            if name in level and best_fixed:
+                row[f"{name}_vs_best_fixed"] = (
+                    level[name].aggregate_tokens_per_s / best_fixed.aggregate_tokens_per_s
+                )
+            if name in level and baseline in level:
+                row[f"{name}_vs_{baseline}"] = (
+                    level[name].aggregate_tokens_per_s / level[baseline].aggregate_tokens_per_s
+                )
+        rows.append(row)
+    half = None
+    base_points = sorted((p for p in points if p.policy == baseline), key=lambda p: p.concurrency)
+    if base_points:
+        single = base_points[0].per_user_p50
+        half = next((p.concurrency for p in base_points if p.per_user_p50 <= single / 2), None)
+    return {"per_level": rows, f"{baseline}_half_speed_concurrency": half}
+
+
+def plot_serve_bench(points: list[LoadPoint], frontier_png, budget_png) -> None:
+    from dspark.profiling.plots import plot_lines
+
+    policies = list(dict.fromkeys(p.policy for p in points))
+    curves = {n: sorted((p for p in points if p.policy == n), key=lambda p: p.concurrency) for n in policies}
+    plot_lines(
+        {
+            n: ([p.per_user_p50 for p in ps], [p.aggregate_tokens_per_s for p in ps])
+            for n, ps in curves.items()
+        },
+        frontier_png,
+        "per-user tokens/s (p50)",
+        "aggregate output tokens/s",
+        "Throughput vs interactivity frontier (points: concurrency 1 ... max)",
+    )
+    plot_lines(
+        {n: ([p.concurrency for p in ps], [p.mean_verify_budget for p in ps]) for n, ps in curves.items()},
+        budget_png,
+        "concurrent requests",
+        "mean verify budget per request (draft tokens)",
+        "Verify budget vs load",
+    )
+
+
+def as_json(points: list[LoadPoint]) -> list[dict]:
+    return [asdict(p) for p in points]

@@ -1,0 +1,57 @@
+"""`dspark serve`: the HTTP server (OpenAI-compatible, or KServe with --kserve) over Ray Serve."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+import yaml
+
+from dspark.serving.config import load_config
+
+
+@click.command()
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="YAML settings file (also DSPARK_CONFIG); flags and DSPARK_* variables override it.",
+)
+@click.option("--target", help="Model name or HF-format directory.  [default: smollm2-135m]")
+@click.option("--drafter", help="none | ngram | a drafter checkpoint directory.")
+@click.option("--policy", help="Verify-length policy: none | static:K | full | ...")
+@click.option("--gamma", type=int, help="Draft block size.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]))
+@click.option("--device", help="auto | cpu | cuda | cuda:N")
+@click.option("--max-num-seqs", type=int, help="Concurrently decoded requests per replica.")
+@click.option("--max-model-len", type=int, help="Prompt + output tokens per request.")
+@click.option("--max-batch-tokens", type=int, help="Token budget of one forward.")
+@click.option("--host", help="Address to bind.  [default: 127.0.0.1]")
+@click.option("--port", type=int, help="HTTP port.  [default: 8000]")
+@click.option(
+    "--api-key", help="Require `Authorization: Bearer <key>` on inference routes (also DSPARK_API_KEY)."
+)
+@click.option("--served-model-name", help="Model id clients use.  [default: the target's name]")
+@click.option("--max-queue", type=int, help="Requests that may wait beyond --max-num-seqs before 429.")
+@click.option("--num-replicas", type=int, help="Engine replicas (each owns one engine).")
+@click.option(
+    "--kserve/--no-kserve", default=None, help="Serve through kserve.ModelServer (v2 + /openai/v1)."
+)
+@click.option("--print-config", is_flag=True, help="Print the effective configuration and exit.")
+def serve(config_file: Path | None, print_config: bool, **flags) -> None:
+    """Serve the target with DSpark speculative decoding over HTTP (OpenAI-compatible API)."""
+    try:
+        config = load_config(config_file, overrides=flags)
+        effective = config.effective()
+    except ValueError as e:
+        raise click.ClickException(str(e)) from e
+    if print_config:
+        click.echo(yaml.safe_dump(effective, sort_keys=False), nl=False)
+        return
+    from dspark.models.pull import ModelError
+    from dspark.serving.launcher import serve_forever
+
+    try:
+        serve_forever(config, announce=lambda msg: click.echo(msg, err=True))
+    except ModelError as e:
+        raise click.ClickException(str(e)) from e

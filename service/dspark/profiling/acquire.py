@@ -1,0 +1,53 @@
+"""Find this engine's SPS profile, or measure one: reused across starts on the same hardware."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from dspark.profiling.device import current_device_name
+from dspark.profiling.sps_profile import ProfileError, SpsProfile, default_profile_path
+
+log = logging.getLogger(__name__)
+
+PROFILED_POLICIES = ("dspark", "dspark-async")
+
+
+def needs_profile(policy_spec: str) -> bool:
+    return policy_spec.strip() in PROFILED_POLICIES
+
+
+def engine_identity(engine) -> tuple[str, str, str]:
+    """(model, dtype, device) as a profile records them."""
+    return engine.model_name, str(engine.dtype).removeprefix("torch."), current_device_name()
+
+
+def acquire_profile(engine, path: str | None = None, strict: bool = False) -> SpsProfile:
+    """Load the profile at `path` (or $DSPARK_SPS_PROFILE, or the cache) if it belongs to this
+    engine; otherwise say why, then profile now and cache the result (strict: refuse instead)."""
+    model, dtype, device = engine_identity(engine)
+    cached = default_profile_path(model, dtype, device)
+    source = Path(path or os.environ.get("DSPARK_SPS_PROFILE") or cached)
+    try:
+        profile = SpsProfile.load(source)
+        profile.ensure_matches(model, dtype, device)
+        log.info(
+            "using SPS profile %s (%d points, measured %s)", source, len(profile.points), profile.created
+        )
+        return profile
+    except ProfileError as e:
+        if strict:
+            raise
+        if source != cached or source.exists():
+            log.warning("%s; profiling this engine instead", e)
+        else:
+            log.info(
+                "no SPS profile for %s / %s / %s yet; profiling this engine (once)", model, dtype, device
+            )
+    from dspark.profiling.profiler import profile_engine
+
+    profile = profile_engine(engine)
+    profile.save(cached)
+    log.info("saved SPS profile %s", cached)
+    return profile

@@ -1,0 +1,111 @@
+"""Measure the engine's verification step rate SPS(B) over a grid of batch sizes."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from dspark.engine.forward_batch import ForwardBatch
+from dspark.profiling.device import current_device_name
+from dspark.profiling.grid import default_grid
+from dspark.profiling.sps_profile import SpsPoint, SpsProfile
+
+log = logging.getLogger(__name__)
+
+TOKENS_PER_REQUEST = 4  # a verification row is 1 anchor + l_r drafts; 4 sits between decode and full blocks
+
+
+def node_type() -> str:
+    """The node label value the operator passes in, else the host name."""
+    return os.environ.get("DSPARK_NODE_TYPE") or socket.gethostname()
+
+
+def batch_shape(batch_tokens: int, max_requests: int) -> list[int]:
+    """Split B tokens over requests the way verification batches look: ~4 tokens each."""
+    requests = max(1, min(max_requests, -(-batch_tokens // TOKENS_PER_REQUEST)))
+    base, extra = divmod(batch_tokens, requests)
+    return [base + (1 if i < extra else 0) for i in range(requests)]
+
+
+def time_forward(engine, lengths: list[int], context_len: int, repeats: int, min_seconds: float) -> float:
+    """Median seconds of one verification forward with the given per-request token counts."""
+    model, cache, device = engine.model, engine.cache, engine.device
+    slots = list(range(len(lengths)))
+    tokens = torch.randint(0, model.config.vocab_size, (sum(lengths),), device=device)
+    rows = list(range(sum(lengths)))
+    batch = ForwardBatch.build(slots, [context_len] * len(lengths), lengths, rows, device)
+    layers = engine.drafter.target_layers
+    times: list[float] = []
+    while len(times) < repeats or sum(times) < min_seconds:
+        _sync(device)
+        start = time.perf_counter()
+        model(tokens, batch, cache, hidden_layers=layers)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+        if len(times) >= 50:
+            break
+    return statistics.median(times)
+
+
+def profile_engine(
+    engine,
+    grid: list[int] | None = None,
+    context_len: int = 256,
+    repeats: int = 3,
+    min_seconds: float = 0.05,
+    progress: Callable[[int, float], None] | None = None,
+) -> SpsProfile:
+    """Fill every KV slot with a context, then time forwards of B tokens for each B in the grid."""
+    if engine.has_unfinished_requests():
+        raise RuntimeError("profile an idle engine: requests are running")
+    max_requests = engine.cache.num_free_slots
+    context_len = min(context_len, engine.max_model_len - engine.config.max_batch_tokens)
+    if context_len < 1:
+        raise ValueError("max_model_len leaves no room for a context; raise it or lower max_batch_tokens")
+    grid = grid or default_grid(engine.config.max_batch_tokens, 8 if engine.device.type == "cuda" else 4)
+    _fill_context(engine, max_requests, context_len)
+    time_forward(engine, batch_shape(grid[-1], max_requests), context_len, 2, 0.0)  # warm-up
+    points = []
+    for b in grid:
+        seconds = time_forward(engine, batch_shape(b, max_requests), context_len, repeats, min_seconds)
+        points.append(SpsPoint(batch_tokens=b, steps_per_second=1.0 / seconds))
+        if progress:
+            progress(b, 1.0 / seconds)
+    return SpsProfile(
+        device=current_device_name()
+        if engine.device.type != "cuda"
+        else torch.cuda.get_device_name(engine.device),
+        node_type=node_type(),
+        model=engine.model_name,
+        dtype=str(engine.dtype).removeprefix("torch."),
+        engine={
+            "max_batch_tokens": engine.config.max_batch_tokens,
+            "max_num_seqs": engine.config.max_num_seqs,
+            "context_len": context_len,
+            "tokens_per_request": TOKENS_PER_REQUEST,
+            "threads": torch.get_num_threads(),
+        },
+        points=points,
+    )
+
+
+def _fill_context(engine, requests: int, context_len: int) -> None:
+    """Write `context_len` tokens of K/V into the first slots in chunks of the batch budget."""
+    chunk = engine.config.max_batch_tokens
+    for start in range(0, context_len, chunk):
+        n = min(chunk, context_len - start)
+        for slot in range(requests):
+            tokens = torch.randint(0, engine.model.config.vocab_size, (n,), device=engine.device)
+            batch = ForwardBatch.build([slot], [start], [n], [n - 1], engine.device)
+            engine.model(tokens, batch, engine.cache)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

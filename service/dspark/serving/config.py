@@ -1,0 +1,163 @@
+"""The server's configuration: one pydantic model, from defaults < YAML file < environment < flags."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+
+from dspark.engine.config import SELECTION_FIELDS
+
+ENV_PREFIX = "DSPARK_"
+CONFIG_FILE_ENV = "DSPARK_CONFIG"
+# Engine settings live in the engine's own EngineConfig; None here means "the engine's default".
+ENGINE_FIELDS = (*SELECTION_FIELDS, "seed", "sps_profile", "strict_profile")
+
+
+class AutoscalingSettings(BaseModel):
+    """Ray Serve autoscaling of engine replicas (each replica owns one engine)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    target_ongoing_requests: float = Field(8.0, gt=0)
+    upscale_delay_s: float = Field(30.0, ge=0)
+    downscale_delay_s: float = Field(600.0, ge=0)
+
+
+class ServeConfig(BaseModel):
+    """Everything `dspark serve` needs. Environment variables are `DSPARK_<FIELD>` (upper case)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # Engine selection (passed to EngineConfig; None keeps the engine's default).
+    target: str | None = None
+    drafter: str | None = None
+    policy: str | None = None
+    gamma: int | None = Field(None, ge=1)
+    dtype: str | None = None
+    device: str | None = None
+    max_num_seqs: int | None = Field(None, ge=1, description="Max concurrently running requests per replica.")
+    max_model_len: int | None = Field(None, ge=16)
+    max_batch_tokens: int | None = Field(None, ge=1)
+    seed: int | None = None
+    strict_profile: bool | None = Field(None, description="Refuse to start without a matching profile.")
+
+    # HTTP front end.
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    served_model_name: str | None = Field(
+        None, description="Model id in the API; default: the target's name."
+    )
+    api_key: SecretStr | None = Field(None, description="Bearer token required on inference routes.")
+    kserve: bool = Field(
+        False, description="Serve through kserve.ModelServer (OpenAI routes under /openai, v2)."
+    )
+
+    # Load protection.
+    max_queue: int = Field(64, ge=0, description="Requests allowed to wait beyond max_num_seqs before 429.")
+    retry_after_s: int = Field(1, ge=1)
+    max_prompt_tokens: int | None = Field(None, ge=1, description="Default: the model's context length.")
+    max_output_tokens: int = Field(4096, ge=1)
+    graceful_shutdown_timeout_s: float = Field(30.0, ge=0)
+
+    # Replicas.
+    num_replicas: int = Field(1, ge=1)
+    autoscaling: AutoscalingSettings | None = None
+    num_cpus_per_replica: float | None = Field(
+        None, gt=0, description="Default: the machine's CPUs / max replicas."
+    )
+    num_gpus_per_replica: float = Field(0.0, ge=0)
+
+    # Scheduler inputs.
+    sps_profile: Path | None = Field(None, description="SPS profile file; default: the cache path.")
+
+    @field_validator("host")
+    @classmethod
+    def _host_not_empty(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("host must not be empty")
+        return v
+
+    @property
+    def max_replicas(self) -> int:
+        return self.autoscaling.max_replicas if self.autoscaling else self.num_replicas
+
+    def replica_cpus(self) -> float:
+        if self.num_cpus_per_replica is not None:
+            return self.num_cpus_per_replica
+        return float(max(1, (os.cpu_count() or 1) // self.max_replicas))
+
+    def engine_overrides(self) -> dict[str, Any]:
+        """The engine settings given explicitly (the rest keep EngineConfig's defaults)."""
+        return {name: getattr(self, name) for name in ENGINE_FIELDS if getattr(self, name) is not None}
+
+    def engine_config(self):
+        """The validated EngineConfig for this server."""
+        from dspark.engine.config import EngineConfig
+
+        return EngineConfig(**self.engine_overrides())
+
+    def effective(self) -> dict[str, Any]:
+        """The configuration as the server will use it (engine defaults filled in, secrets masked)."""
+        data = self.model_dump(mode="json", exclude=set(ENGINE_FIELDS))
+        data["api_key"] = "***" if self.api_key else None
+        return {"engine": self.engine_config().model_dump(mode="json"), "server": data}
+
+
+def _env_values(environ: dict[str, str]) -> dict[str, Any]:
+    """Fields set through `DSPARK_<FIELD>`; nested settings (autoscaling) are given as JSON."""
+    values: dict[str, Any] = {}
+    for name, field in ServeConfig.model_fields.items():
+        raw = environ.get(ENV_PREFIX + name.upper())
+        if raw is None or raw == "":
+            continue
+        if field.annotation is not None and "AutoscalingSettings" in str(field.annotation):
+            try:
+                values[name] = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{ENV_PREFIX}{name.upper()} must be JSON: {e}") from None
+        else:
+            values[name] = raw
+    return values
+
+
+def _file_values(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ValueError(f"cannot read config file {path}: {e}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"config file {path} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a mapping of settings")
+    return data
+
+
+def load_config(
+    path: Path | str | None = None,
+    overrides: dict[str, Any] | None = None,
+    environ: dict[str, str] | None = None,
+) -> ServeConfig:
+    """Merge the layers and validate once; raises ValueError with every problem listed."""
+    environ = dict(os.environ) if environ is None else environ
+    path = path or environ.get(CONFIG_FILE_ENV)
+    values: dict[str, Any] = {}
+    if path:
+        values.update(_file_values(Path(path)))
+    values.update(_env_values(environ))
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        return ServeConfig.model_validate(values)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg']}" for err in e.errors()
+        )
+        raise ValueError(f"invalid serve configuration: {problems}") from None

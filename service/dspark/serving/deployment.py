@@ -1,0 +1,115 @@
+"""Ray Serve deployments: one replica owns one engine and multiplexes every caller into its batch."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from ray import serve
+
+from dspark.serving.auth import BearerAuth
+from dspark.serving.config import ServeConfig
+from dspark.serving.openai_routes import build_openai_app
+from dspark.serving.openai_schemas import ChatCompletionRequest, CompletionRequest
+from dspark.serving.openai_service import Frame, JSONReply
+from dspark.serving.replica import EngineReplica
+
+log = logging.getLogger(__name__)
+
+APP_NAME = "dspark"
+EngineFactory = Callable[[ServeConfig], Any]
+# Room above the admission limit for probes and scrapes, so Ray never queues them behind inference.
+_CONTROL_HEADROOM = 16
+
+
+def _replica(config: dict[str, Any], engine_factory: EngineFactory | None) -> EngineReplica:
+    cfg = ServeConfig.model_validate(config)
+    return EngineReplica(cfg, engine_factory(cfg) if engine_factory else None)
+
+
+@serve.ingress()
+class OpenAIServer:
+    """The standalone front end: Ray Serve's HTTP proxy routes straight into this replica's FastAPI app."""
+
+    def __init__(self, config: dict[str, Any], engine_factory: EngineFactory | None = None):
+        self.replica = _replica(config, engine_factory)
+
+    def __serve_build_asgi_app__(self):
+        r = self.replica
+        key = r.config.api_key.get_secret_value() if r.config.api_key else None
+        return build_openai_app(r.service, BearerAuth(key), ready=r.ready, metrics=r.metrics_text)
+
+    def __del__(self):
+        # Ray Serve calls this after draining (graceful_shutdown_timeout_s); stop the engine thread.
+        with contextlib.suppress(Exception):
+            self.replica.shutdown()
+
+
+class EngineBackend:
+    """The engine replica behind the KServe front end, reached through a deployment handle."""
+
+    def __init__(self, config: dict[str, Any], engine_factory: EngineFactory | None = None):
+        self.replica = _replica(config, engine_factory)
+
+    async def openai(
+        self, route: str, body: CompletionRequest | ChatCompletionRequest
+    ) -> AsyncIterator[Frame]:
+        async for frame in self.replica.openai(route, body):
+            yield frame
+
+    async def infer_v2(self, inputs: list[str], parameters: dict[str, Any]) -> list[str] | JSONReply:
+        return await self.replica.infer_v2(inputs, parameters)
+
+    async def models(self) -> dict[str, Any]:
+        return await self.replica.models()
+
+    async def ready(self) -> bool:
+        return await self.replica.ready()
+
+    async def metrics_text(self) -> bytes:
+        return await self.replica.metrics_text()
+
+    async def model_name(self) -> str:
+        return self.replica.model_name
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            self.replica.shutdown()
+
+
+def deployment_options(config: ServeConfig) -> dict[str, Any]:
+    """Ray Serve options from the config: replicas or autoscaling, resources, queue and shutdown."""
+    max_num_seqs = config.engine_config().max_num_seqs
+    opts: dict[str, Any] = {
+        "max_ongoing_requests": max_num_seqs + config.max_queue + _CONTROL_HEADROOM,
+        "ray_actor_options": {"num_cpus": config.replica_cpus(), "num_gpus": config.num_gpus_per_replica},
+        "graceful_shutdown_timeout_s": config.graceful_shutdown_timeout_s,
+        "graceful_shutdown_wait_loop_s": 0.5,
+        "health_check_period_s": 10.0,
+    }
+    if config.autoscaling is not None:
+        a = config.autoscaling
+        opts["autoscaling_config"] = {
+            "min_replicas": a.min_replicas,
+            "max_replicas": a.max_replicas,
+            "target_ongoing_requests": a.target_ongoing_requests,
+            "upscale_delay_s": a.upscale_delay_s,
+            "downscale_delay_s": a.downscale_delay_s,
+        }
+    else:
+        opts["num_replicas"] = config.num_replicas
+    return opts
+
+
+def openai_app(config: ServeConfig, engine_factory: EngineFactory | None = None):
+    """The bound Ray Serve application of the standalone server."""
+    dep = serve.deployment(OpenAIServer, name="OpenAIServer", **deployment_options(config))
+    return dep.bind(config.model_dump(mode="python"), engine_factory)
+
+
+def engine_backend_app(config: ServeConfig, engine_factory: EngineFactory | None = None):
+    """The bound Ray Serve application the KServe front end talks to (no HTTP route of its own)."""
+    dep = serve.deployment(EngineBackend, name="EngineBackend", **deployment_options(config))
+    return dep.bind(config.model_dump(mode="python"), engine_factory)

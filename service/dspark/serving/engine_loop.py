@@ -1,0 +1,255 @@
+"""One thread owns the engine and steps it continuously; callers talk to it through a command queue.
+
+The engine is not thread-safe. Requests from many HTTP connections are added between steps and so
+join the running batch (continuous batching); aborts are applied between steps too.
+`AsyncEngineClient` is the asyncio face: admission control (bounded queue), per-request output
+streams, and aborting a request whose caller went away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dspark.engine.outputs import RequestOutput
+from dspark.engine.sampling_params import SamplingParams
+from dspark.serving.metrics import ServingMetrics
+
+log = logging.getLogger(__name__)
+
+OutputCallback = Callable[[RequestOutput], None]
+
+
+class EngineStopped(RuntimeError):
+    """The loop is shutting down or has stopped: no new requests."""
+
+
+class QueueFull(RuntimeError):
+    """More requests are in flight than the replica admits."""
+
+
+@dataclass
+class _Add:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request_id: str
+    on_output: OutputCallback
+    accepted: concurrent.futures.Future
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class _Stop:
+    pass
+
+
+class EngineLoop:
+    """Runs `engine.step()` on its own thread while any request is unfinished; idles on the queue otherwise."""
+
+    def __init__(self, engine: Any, metrics: ServingMetrics | None = None, idle_poll_s: float = 0.5):
+        self.engine = engine
+        self.metrics = metrics
+        self._idle_poll_s = idle_poll_s
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[str, OutputCallback] = {}  # engine thread only
+        self._stopping = threading.Event()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dspark-engine-loop", daemon=True)
+        self.fatal_error: str | None = None
+
+    # Any thread ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping.is_set()
+
+    def add(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, on_output: OutputCallback
+    ) -> concurrent.futures.Future:
+        """Queue a request; the future resolves to its id once the engine took it, or to its ValueError."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if self._stopping.is_set():
+            fut.set_exception(EngineStopped("the server is shutting down"))
+            return fut
+        self._commands.put(_Add(list(prompt_token_ids), params, request_id, on_output, fut))
+        return fut
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    def stop(self, drain_timeout_s: float = 30.0) -> None:
+        """Refuse new requests, let running ones finish for up to `drain_timeout_s`, then abort the rest."""
+        self._stopping.set()
+        self._commands.put(_Stop())
+        if self._thread.is_alive() and not self._stopped.wait(drain_timeout_s):
+            self._commands.put(_Stop())  # second stop: abort what is left
+        self._thread.join(timeout=10.0)
+
+    # Engine thread -------------------------------------------------------------------------------
+    def _run(self) -> None:
+        stops = 0
+        try:
+            while True:
+                busy = self.engine.has_unfinished_requests()
+                stops += self._apply_commands(block=not busy)
+                if stops >= 2:
+                    self._abort_all("the server shut down before the request finished")
+                if stops and not self.engine.has_unfinished_requests():
+                    break
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self._publish_queue_sizes()
+        except Exception as e:  # the engine is unusable: fail every caller rather than hang them
+            log.exception("engine loop crashed")
+            self.fatal_error = f"engine failure: {e}"
+            self._fail_all(self.fatal_error)
+        finally:
+            self._stopping.set()
+            self._stopped.set()
+            self._reject_pending()
+
+    def _apply_commands(self, block: bool) -> int:
+        stops = 0
+        try:
+            cmd = self._commands.get(timeout=self._idle_poll_s) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return 0
+        while True:
+            if isinstance(cmd, _Add):
+                self._apply_add(cmd)
+            elif isinstance(cmd, _Abort):
+                if cmd.request_id in self._live:
+                    self.engine.abort_request(cmd.request_id)
+                    self._live.pop(cmd.request_id, None)
+            else:
+                stops += 1
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return stops
+
+    def _apply_add(self, cmd: _Add) -> None:
+        if cmd.accepted.cancelled():
+            return
+        on_output = self._tracking(cmd.request_id, cmd.on_output)
+        try:
+            rid = self.engine.add_request(
+                cmd.prompt_token_ids, cmd.params, cmd.request_id, on_output=on_output
+            )
+        except ValueError as e:
+            cmd.accepted.set_exception(e)
+            return
+        self._live[rid] = cmd.on_output
+        cmd.accepted.set_result(rid)
+
+    def _tracking(self, request_id: str, on_output: OutputCallback) -> OutputCallback:
+        def deliver(out: RequestOutput) -> None:
+            if out.finished:
+                self._live.pop(request_id, None)
+            try:
+                on_output(out)
+            except Exception:  # a caller's callback must never take the engine down
+                log.exception("output callback of request %s failed", request_id)
+
+        return deliver
+
+    def _step(self) -> None:
+        self.engine.step()
+        stats = getattr(self.engine, "last_step_stats", None)
+        if self.metrics is not None and stats is not None:
+            self.metrics.observe_step(stats)
+
+    def _publish_queue_sizes(self) -> None:
+        if self.metrics is not None:
+            self.metrics.set_queue_sizes(self.engine.num_running, self.engine.num_waiting)
+
+    def _abort_all(self, reason: str) -> None:
+        for rid in list(self._live):
+            self.engine.abort_request(rid)
+        self._fail_all(reason)
+
+    def _fail_all(self, reason: str) -> None:
+        for rid, cb in list(self._live.items()):
+            with contextlib.suppress(Exception):
+                cb(RequestOutput(rid, [], "", finished=True, finish_reason="error", error=reason))
+        self._live.clear()
+
+    def _reject_pending(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add) and not cmd.accepted.done():
+                cmd.accepted.set_exception(EngineStopped(self.fatal_error or "the server is shutting down"))
+
+
+class AsyncEngineClient:
+    """The event loop's view of an `EngineLoop`: bounded admission and an async stream per request."""
+
+    def __init__(self, loop: EngineLoop, max_in_flight: int):
+        self.engine_loop = loop
+        self.max_in_flight = max_in_flight
+        self.in_flight = 0  # touched only on the event loop thread
+
+    @contextlib.asynccontextmanager
+    async def open(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestStream]:
+        """Admit a request (or raise QueueFull / EngineStopped / the engine's ValueError) and stream it.
+
+        Leaving the block before the request finished (client gone, task cancelled, error) aborts it
+        in the engine, which frees its KV slot.
+        """
+        if not self.engine_loop.alive:
+            raise EngineStopped(self.engine_loop.fatal_error or "the server is shutting down")
+        if self.in_flight >= self.max_in_flight:
+            raise QueueFull(f"{self.in_flight} requests in flight; the limit is {self.max_in_flight}")
+        stream = RequestStream(request_id or uuid.uuid4().hex, asyncio.get_running_loop())
+        self.in_flight += 1
+        try:
+            accepted = self.engine_loop.add(prompt_token_ids, params, stream.request_id, stream.push)
+            await asyncio.wrap_future(accepted)
+            yield stream
+        finally:
+            self.in_flight -= 1
+            if not stream.finished:
+                self.engine_loop.abort(stream.request_id)  # idempotent; ignored if never admitted
+
+
+class RequestStream:
+    """Outputs of one request, pushed from the engine thread, consumed on the event loop."""
+
+    def __init__(self, request_id: str, aloop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self.finished = False
+        self._aloop = aloop
+        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+    def push(self, out: RequestOutput) -> None:
+        """Engine thread: hand one output over to the event loop."""
+        with contextlib.suppress(RuntimeError):  # the event loop already closed
+            self._aloop.call_soon_threadsafe(self._queue.put_nowait, out)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        out = await self._queue.get()
+        self.finished = out.finished
+        return out

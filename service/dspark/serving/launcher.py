@@ -1,0 +1,58 @@
+"""`dspark serve`: bring up Ray in-process, deploy the engine, serve until interrupted, then drain."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import threading
+
+from dspark.serving.config import ServeConfig
+from dspark.serving.runtime import run_openai_server, shutdown, start_ray
+
+log = logging.getLogger(__name__)
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def prepare_model(config: ServeConfig) -> None:
+    """Pull the target here, with progress and clean errors, before replicas try to load it."""
+    from dspark.models.pull import resolve_target
+
+    resolve_target(config.engine_config().target)
+
+
+def serve_forever(config: ServeConfig, announce=print) -> None:
+    """Run the configured front end in the foreground; SIGINT/SIGTERM drain in-flight requests and stop."""
+    prepare_model(config)
+    cpus = max(os.cpu_count() or 1, math.ceil(config.replica_cpus() * config.max_replicas))
+    start_ray(num_cpus=cpus)
+    # After ray.init: Ray's core worker installs a SIGTERM handler that kills the driver on the spot.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        if config.kserve:
+            from dspark.serving.kserve_model import build_kserve_server, deploy_engine_backend
+
+            handle, name = deploy_engine_backend(config)
+            announce(
+                f"KServe model `{name}` on http://{config.host}:{config.port} "
+                f"(v2: /v2/models/{name}/infer, OpenAI: /openai/v1)"
+            )
+            build_kserve_server(config, handle, name).run()
+        else:
+            run_openai_server(config)
+            announce(
+                f"DSpark Serve on http://{config.host}:{config.port} (OpenAI API under /v1); Ctrl-C stops it"
+            )
+            threading.Event().wait()
+    except KeyboardInterrupt:
+        announce("shutting down: draining in-flight requests")
+    finally:
+        # Ray re-delivers pending signals while it waits; the drain must not be cut short by them.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        shutdown()
+        announce("stopped")

@@ -1,0 +1,241 @@
+"""Prometheus metrics, named as vLLM's so its dashboards work, plus DSpark's own (`dspark_`)."""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+
+from dspark.engine.outputs import StepStats
+
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+)
+_TOKENS_PER_S_BUCKETS = (1, 2, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000)
+_BUDGET_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+_SCHED_BUCKETS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1)
+
+# Names other components (the Grafana dashboard, the operator's autoscaler) rely on: keep them stable.
+METRIC_NAMES = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:spec_decode_num_drafts_total",
+    "vllm:spec_decode_num_draft_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+    "dspark_request_tokens_per_second",
+    "dspark_verify_budget",
+    "dspark_verify_batch_tokens",
+    "dspark_sps_estimate",
+    "dspark_scheduler_seconds",
+    "dspark_confidence_calibration_error",
+    "dspark_policy_fallbacks_total",
+)
+
+
+class ServingMetrics:
+    """One replica's metrics in its own registry (`render()` gives the exposition text).
+
+    Engine-step metrics are fed from the engine thread, request metrics from the event loop;
+    prometheus_client's metric objects are thread-safe, the running estimates here hold a lock.
+    """
+
+    def __init__(self, model_name: str, calibration_window: int = 2048, sps_smoothing: float = 0.1):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, labels = self.registry, ["model_name"]
+        ProcessCollector(registry=r)  # process_resident_memory_bytes etc. of the replica
+        self._model = model_name
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, [*labels, *extra], registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r, multiprocess_mode="mostrecent")
+
+        self.num_running = gauge("vllm:num_requests_running", "Requests in the running batch.")
+        self.num_waiting = gauge("vllm:num_requests_waiting", "Requests waiting for a slot.")
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds", "Gap between generated tokens.", _LATENCY_BUCKETS
+        )
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.", _E2E_BUCKETS
+        )
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefilled prompt tokens.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
+        self.num_drafts = counter("vllm:spec_decode_num_drafts", "Verification rounds with a draft.")
+        self.draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.accepted_per_pos = counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position.",
+            ("position",),
+        )
+        self.tokens_per_s = histogram(
+            "dspark_request_tokens_per_second", "Per-request decode speed.", _TOKENS_PER_S_BUCKETS
+        )
+        self.verify_budget = histogram(
+            "dspark_verify_budget", "Draft tokens verified per request per step.", _BUDGET_BUCKETS
+        )
+        self.verify_batch = histogram(
+            "dspark_verify_batch_tokens", "Tokens in one verification forward.", _BATCH_BUCKETS
+        )
+        self.sps = gauge("dspark_sps_estimate", "Verification steps per second (smoothed, measured).")
+        self.scheduler_s = histogram(
+            "dspark_scheduler_seconds", "Verify-length scheduling time per step.", _SCHED_BUCKETS
+        )
+        self.calibration_error = gauge(
+            "dspark_confidence_calibration_error",
+            "|observed - predicted| accepted draft tokens / draft tokens over a recent window.",
+        )
+        self.policy_fallbacks = counter(
+            "dspark_policy_fallbacks", "Steps scheduled by the safe fixed policy because confidences were unusable."
+        )
+        # Create every series up front so dashboards and scrapers see zeros rather than gaps.
+        for metric in (
+            self.ttft,
+            self.itl,
+            self.e2e,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.num_drafts,
+            self.draft_tokens,
+            self.accepted_tokens,
+            self.tokens_per_s,
+            self.verify_budget,
+            self.verify_batch,
+            self.scheduler_s,
+            self.policy_fallbacks,
+        ):
+            metric.labels(self._model)
+        for m in (self.num_running, self.num_waiting):
+            m.labels(self._model).set(0)
+        self.sps.labels(self._model).set(math.nan)
+        self.calibration_error.labels(self._model).set(math.nan)
+        self._lock = threading.Lock()
+        self._sps_ema: float | None = None
+        self._sps_alpha = sps_smoothing
+        self._calib: deque[tuple[int, int, float]] = deque()  # (draft, accepted, predicted) per step
+        self._calib_window = calibration_window
+        self._calib_sums = [0, 0, 0.0]
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # Engine thread -------------------------------------------------------------------------------
+    def set_queue_sizes(self, running: int, waiting: int) -> None:
+        self.num_running.labels(self._model).set(running)
+        self.num_waiting.labels(self._model).set(waiting)
+
+    def observe_step(self, s: StepStats) -> None:
+        m = self._model
+        self.set_queue_sizes(s.num_running, s.num_waiting)
+        if s.num_prefill_tokens:
+            self.prompt_tokens.labels(m).inc(s.num_prefill_tokens)
+        if s.num_drafts:
+            self.num_drafts.labels(m).inc(s.num_drafts)
+        if s.num_draft_tokens:
+            self.draft_tokens.labels(m).inc(s.num_draft_tokens)
+        if s.num_accepted_tokens:
+            self.accepted_tokens.labels(m).inc(s.num_accepted_tokens)
+        for pos, n in enumerate(s.accepted_per_position):
+            if n:
+                self.accepted_per_pos.labels(m, str(pos)).inc(n)
+        for budget in s.verify_budgets:
+            self.verify_budget.labels(m).observe(budget)
+        if s.verify_batch_tokens:
+            self.verify_batch.labels(m).observe(s.verify_batch_tokens)
+            if s.forward_time_s > 0:
+                self._update_sps(1.0 / s.forward_time_s)
+        if s.verify_budgets or s.schedule_time_s:
+            self.scheduler_s.labels(m).observe(s.schedule_time_s)
+        if s.policy_fallback:
+            self.policy_fallbacks.labels(m).inc()
+        predicted = s.predicted_accepted_tokens
+        if predicted is not None and math.isfinite(predicted) and s.num_draft_tokens:
+            self._update_calibration(s.num_draft_tokens, s.num_accepted_tokens, float(predicted))
+
+    def _update_sps(self, sps: float) -> None:
+        with self._lock:
+            a = self._sps_alpha
+            self._sps_ema = sps if self._sps_ema is None else (1 - a) * self._sps_ema + a * sps
+            self.sps.labels(self._model).set(self._sps_ema)
+
+    def _update_calibration(self, draft: int, accepted: int, predicted: float) -> None:
+        with self._lock:
+            self._calib.append((draft, accepted, predicted))
+            sums = self._calib_sums
+            sums[0] += draft
+            sums[1] += accepted
+            sums[2] += predicted
+            while len(self._calib) > 1 and sums[0] - self._calib[0][0] >= self._calib_window:
+                d, acc, p = self._calib.popleft()
+                sums[0] -= d
+                sums[1] -= acc
+                sums[2] -= p
+            self.calibration_error.labels(self._model).set(abs(sums[1] - sums[2]) / sums[0])
+
+    # Event loop ----------------------------------------------------------------------------------
+    def observe_first_token(self, seconds: float, num_tokens: int) -> None:
+        self.ttft.labels(self._model).observe(seconds)
+        self.generation_tokens.labels(self._model).inc(num_tokens)
+
+    def observe_tokens(self, gap_s: float, num_tokens: int) -> None:
+        """`num_tokens` arrived together `gap_s` after the previous ones: each gets gap / n."""
+        per = gap_s / num_tokens
+        for _ in range(num_tokens):
+            self.itl.labels(self._model).observe(per)
+        self.generation_tokens.labels(self._model).inc(num_tokens)
+
+    def observe_finished(self, e2e_s: float, num_output_tokens: int, decode_s: float) -> None:
+        m = self._model
+        self.e2e.labels(m).observe(e2e_s)
+        if num_output_tokens > 1 and decode_s > 0:
+            self.tokens_per_s.labels(m).observe((num_output_tokens - 1) / decode_s)

@@ -1,0 +1,88 @@
+"""The DSpark training objective: L = a_ce L_ce + a_tv L_tv + a_conf L_conf, position-weighted.
+
+Per block position k (1-based) with weight w_k = exp(-(k-1)/decay):
+  L_ce   = -w_k log p^d_k(x*_k)
+  L_tv   =  w_k ||p^d_k - p^t_k||_1
+  L_conf = -w_k [c*_k log c_k + (1 - c*_k) log(1 - c_k)],  c*_k = 1 - 0.5 ||p^d_k - p^t_k||_1 (no gradient)
+Each term is summed over the block's positions and averaged over blocks; positions past a
+sequence's end are masked out. Everything is computed in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def position_weights(block_size: int, decay: float | None = None, device=None) -> torch.Tensor:
+    """w_k = exp(-(k-1)/decay) for k = 1..block_size; decay defaults to block_size (the paper)."""
+    decay = float(decay if decay is not None else block_size)
+    return torch.exp(-torch.arange(block_size, dtype=torch.float32, device=device) / decay)
+
+
+@dataclass
+class LossTerms:
+    total: torch.Tensor
+    ce: torch.Tensor
+    tv: torch.Tensor
+    conf: torch.Tensor
+    accept: torch.Tensor  # [G] mean per-position acceptance 1 - TV/2 over valid positions (no grad)
+
+
+def block_loss(
+    draft_logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    labels: torch.Tensor,
+    valid: torch.Tensor,
+    weights: torch.Tensor,
+    conf_logits: torch.Tensor | None = None,
+    draft_to_target: torch.Tensor | None = None,
+    coef: tuple[float, float, float] = (0.1, 0.9, 1.0),
+) -> LossTerms:
+    """draft_logits [N, G, V'] (V' < V with `draft_to_target` [V'] target ids, EAGLE-3's reduced
+    vocabulary), target_logits [N, G, V], labels [N, G] target ids, valid [N, G] bool, weights [G],
+    conf_logits [N, G] (pre-sigmoid) or None; coef = (a_ce, a_tv, a_conf)."""
+    valid_f = valid.float()
+    blocks = valid.any(dim=1).sum().clamp(min=1)
+    logp_d = F.log_softmax(draft_logits.float(), dim=-1)
+    p_d = logp_d.exp()
+    p_t = F.softmax(target_logits.float(), dim=-1)
+    if draft_to_target is None:
+        tv = (p_d - p_t).abs().sum(-1)
+        label_logp = logp_d.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
+        label_ok = valid
+    else:
+        # Outside the draft vocabulary p^d = 0: those tokens add their target mass to the L1 distance.
+        p_t_in = p_t.index_select(-1, draft_to_target)
+        tv = (p_d - p_t_in).abs().sum(-1) + (1.0 - p_t_in.sum(-1)).clamp(min=0)
+        target_to_draft = torch.full((p_t.shape[-1],), -1, dtype=torch.long, device=labels.device)
+        target_to_draft[draft_to_target] = torch.arange(len(draft_to_target), device=labels.device)
+        draft_labels = target_to_draft[labels.clamp(min=0)]
+        label_ok = valid & (draft_labels >= 0)
+        label_logp = logp_d.gather(-1, draft_labels.clamp(min=0)[..., None]).squeeze(-1)
+    w = weights[None, :] * valid_f
+    ce = -(w * label_logp * label_ok.float()).sum() / blocks
+    tv_loss = (w * tv).sum() / blocks
+    if conf_logits is not None:
+        soft = (1.0 - 0.5 * tv).detach().clamp(0.0, 1.0)
+        bce = F.binary_cross_entropy_with_logits(conf_logits.float(), soft, reduction="none")
+        conf = (w * bce).sum() / blocks
+    else:
+        conf = torch.zeros((), device=draft_logits.device)
+    a_ce, a_tv, a_conf = coef
+    total = a_ce * ce + a_tv * tv_loss + a_conf * conf
+    with torch.no_grad():
+        accept = ((1.0 - 0.5 * tv) * valid_f).sum(0) / valid_f.sum(0).clamp(min=1)
+    return LossTerms(total, ce, tv_loss, conf, accept)
+
+
+def expected_tau(accept: torch.Tensor) -> float:
+    """Accepted length (incl. bonus) if positions were accepted independently with these rates."""
+    tau, survive = 1.0, 1.0
+    for a in accept.tolist():
+        survive *= a
+        tau += survive
+    return tau if math.isfinite(tau) else float("nan")

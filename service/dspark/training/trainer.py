@@ -1,0 +1,221 @@
+"""The training loop: packed anchor blocks, the DSpark objective, resumable checkpoints, export.
+
+State (`out_dir/state.pt`: trainable weights, optimizer, step, the EAGLE-3 vocabulary) is written
+every `checkpoint_every` steps and at the end; a rerun with the same config continues from it.
+The batch of step s is a pure function of (seed, s), so a resumed run sees the same data as an
+uninterrupted one. The exported drafter (`out_dir/final`) is bf16 without the target's shared
+weights, loadable by `load_drafter`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from dspark.drafters.checkpoint import save_draft_model
+from dspark.drafters.dspark_model import DSparkModel
+from dspark.training.build import draft_vocabulary, drafter_raw_config, new_drafter
+from dspark.training.config import TrainConfig
+from dspark.training.features import Sequence
+from dspark.training.forward import dspark_block_logits, eagle3_block_logits
+from dspark.training.losses import block_loss, expected_tau, position_weights
+from dspark.training.packing import PackedBatch, pack
+from tqdm import tqdm
+
+log = logging.getLogger(__name__)
+STATE_FILE = "state.pt"
+FINAL_DIR = "final"
+
+
+def lr_at(step: int, total: int, cfg) -> float:
+    """Linear warmup, then cosine decay to min_lr_ratio * lr."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def batch_for_step(sequences: list[Sequence], step: int, cfg: TrainConfig) -> PackedBatch:
+    """Sequences of step `step` (a seeded permutation per epoch) and their anchors."""
+    per_step = cfg.optim.sequences_per_step
+    per_epoch = max(1, len(sequences) // per_step)
+    epoch, index = divmod(step, per_epoch)
+    order = torch.randperm(len(sequences), generator=torch.Generator().manual_seed(cfg.optim.seed * 7919 + epoch))
+    chosen = [sequences[int(i)] for i in order[index * per_step : (index + 1) * per_step]]
+    generator = torch.Generator().manual_seed(cfg.optim.seed * 1_000_003 + step)
+    return pack(chosen, cfg.optim.anchors_per_sequence, cfg.drafter.block_size, generator)
+
+
+def total_steps(n_sequences: int, cfg: TrainConfig) -> int:
+    if cfg.optim.max_steps is not None:
+        return cfg.optim.max_steps
+    per_epoch = max(1, n_sequences // cfg.optim.sequences_per_step)
+    return max(1, math.ceil(cfg.optim.epochs * per_epoch))
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        sequences: list[Sequence],
+        target_config: dict,
+        shared: tuple[torch.Tensor, torch.Tensor],
+        target_state: dict[str, torch.Tensor] | None,
+        mask_token_id: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if not sequences:
+            raise ValueError("no training sequences")
+        self.cfg = cfg
+        self.sequences = sequences
+        self.dtype = dtype
+        self.device = device
+        self.out_dir = Path(cfg.out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        spec = cfg.drafter
+        raw = drafter_raw_config(spec, target_config, cfg.target_layer_ids, mask_token_id)
+        state = self._load_state()
+        draft_vocab = None
+        if "draft_vocab_size" in raw:
+            if state is not None:
+                draft_vocab = state["draft_vocab"]
+            else:
+                counts = Counter(t for s in sequences for t in s.tokens[s.prompt_len :].tolist())
+                draft_vocab = draft_vocabulary(counts, raw["draft_vocab_size"], raw["vocab_size"])
+        self.draft_vocab = draft_vocab
+        embed, head = shared
+        low = dtype if dtype != torch.float32 else torch.float32
+        self.model = new_drafter(
+            raw,
+            embed.to(low),
+            head.to(low),
+            target_state,
+            spec.init_from_target_layers,
+            draft_vocab,
+            seed=cfg.optim.seed,
+        ).to(device)
+        # p^t is the target's own head (never the EAGLE-3 drafter's trained one).
+        self.target_head = head.to(device=device, dtype=low)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, betas=(0.9, 0.95)
+        )
+        self.weights = position_weights(spec.block_size, cfg.loss.decay, device)
+        self.step = 0
+        self.elapsed = 0.0
+        self.total = total_steps(len(sequences), cfg)
+        if state is not None:
+            missing = self.model.load_state_dict(state["model"], strict=False)
+            if missing.unexpected_keys:
+                raise ValueError(f"{self.out_dir / STATE_FILE} does not match this drafter config")
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.step = state["step"]
+            self.elapsed = state.get("elapsed_s", 0.0)
+            log.info("resuming %s at step %d", self.out_dir, self.step)
+
+    def _load_state(self) -> dict | None:
+        path = self.out_dir / STATE_FILE
+        if not path.is_file():
+            return None
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        if state.get("config") != self.cfg.model_dump(mode="json", exclude={"optim": {"max_steps"}}):
+            raise ValueError(f"{path} was written by a different training config; use another out_dir")
+        return state
+
+    def save_state(self) -> None:
+        trainable = {k for k, p in self.model.named_parameters() if p.requires_grad}
+        state = {
+            "config": self.cfg.model_dump(mode="json", exclude={"optim": {"max_steps"}}),
+            "model": {k: v for k, v in self.model.state_dict().items() if k in trainable or "d2t" in k or "t2d" in k},
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "elapsed_s": self.elapsed,
+            "draft_vocab": self.draft_vocab,
+        }
+        tmp = self.out_dir / (STATE_FILE + ".tmp")
+        torch.save(state, tmp)
+        tmp.replace(self.out_dir / STATE_FILE)
+
+    def loss(self, batch: PackedBatch):
+        autocast = torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
+        with autocast:
+            if isinstance(self.model, DSparkModel):
+                draft_logits, conf_logits = dspark_block_logits(self.model, batch)
+                to_target = None
+            else:
+                draft_logits, conf_logits = eagle3_block_logits(self.model, batch), None
+                to_target = self.draft_vocab.to(self.device) if self.draft_vocab is not None else None
+            with torch.no_grad():
+                target_logits = batch.target_last.to(self.target_head.dtype) @ self.target_head.T
+        n = draft_logits.shape[0]
+        return block_loss(
+            draft_logits,
+            target_logits.reshape(n, *target_logits.shape[2:]),
+            batch.labels.reshape(n, -1),
+            batch.valid.reshape(n, -1),
+            self.weights,
+            conf_logits,
+            to_target,
+            (self.cfg.loss.ce, self.cfg.loss.tv, self.cfg.loss.conf),
+        )
+
+    def train(self, progress: bool = True, stop_after: int | None = None) -> dict:
+        """Train up to the configured number of steps (or `stop_after` more); returns the last metrics."""
+        cfg = self.cfg.optim
+        end = self.total if stop_after is None else min(self.total, self.step + stop_after)
+        bar = tqdm(total=self.total, initial=self.step, desc=f"train {self.cfg.drafter.kind}", disable=not progress)
+        metrics: dict = {}
+        self.model.train()
+        positions, started = 0, time.perf_counter()
+        while self.step < end:
+            batch = batch_for_step(self.sequences, self.step, self.cfg)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr_at(self.step, self.total, cfg)
+            terms = self.loss(batch)
+            self.optimizer.zero_grad(set_to_none=True)
+            terms.total.backward()
+            torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+            self.optimizer.step()
+            self.step += 1
+            positions += batch.block_positions
+            now = time.perf_counter()
+            metrics = {
+                "step": self.step,
+                "loss": round(terms.total.item(), 4),
+                "ce": round(terms.ce.item(), 4),
+                "tv": round(terms.tv.item(), 4),
+                "conf": round(terms.conf.item(), 4),
+                "accept": [round(a, 3) for a in terms.accept.tolist()],
+                "tau_est": round(expected_tau(terms.accept), 3),
+                "pos_per_s": round(positions / max(now - started, 1e-9), 1),
+            }
+            bar.update(1)
+            bar.set_postfix(loss=metrics["loss"], tv=metrics["tv"], tau=metrics["tau_est"], pos_s=metrics["pos_per_s"])
+            if self.step % cfg.checkpoint_every == 0 or self.step == end:
+                self.elapsed += now - started
+                positions, started = 0, time.perf_counter()
+                self.save_state()
+                with open(self.out_dir / "log.jsonl", "a") as f:
+                    f.write(json.dumps({**metrics, "elapsed_s": round(self.elapsed, 1)}) + "\n")
+        bar.close()
+        return metrics
+
+    def export(self, out: Path | None = None) -> Path:
+        """bf16 checkpoint without the shared weights: out_dir/final (or `out`)."""
+        target = Path(out) if out is not None else self.out_dir / FINAL_DIR
+        model = self.model.to(torch.bfloat16).eval()
+        save_draft_model(model, target)
+        info = {
+            "steps": self.step,
+            "train_wall_s": round(self.elapsed, 1),
+            "sequences": len(self.sequences),
+            "config": self.cfg.model_dump(mode="json"),
+        }
+        (target / "training.json").write_text(json.dumps(info, indent=2) + "\n")
+        return target

@@ -1,0 +1,176 @@
+"""The Helm chart: lint, render with several value sets, validate every manifest against the
+Kubernetes schemas, the example service against the CRD's own schema, and reject bad values."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import subprocess
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from scripts.fetch_helm import fetch_helm
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "dspark"
+CRD = ROOT / "operator" / "dspark_operator" / "crds" / "dsparkservices.dspark.ai.yaml"
+K8S_VERSION = "1.30"
+
+EVERYTHING_ON = [
+    "--set",
+    "example.enabled=true",
+    "--set",
+    "metrics.serviceMonitor.enabled=true",
+    "--set",
+    "metrics.grafanaDashboard.enabled=true",
+]
+VALUE_SETS = {
+    "defaults": [],
+    "everything": EVERYTHING_ON,
+    "namespaced": [
+        *EVERYTHING_ON,
+        "--set",
+        "operator.watchNamespaces={team-a,team-b}",
+        "--set",
+        "operator.prometheusUrl=http://prometheus.monitoring:9090",
+        "--set",
+        "serviceAccount.create=false",
+        "--set",
+        "serviceAccount.name=ops",
+        "--set",
+        "operator.metricsPort=0",
+        "--set",
+        "operator.image.tag=dev",
+    ],
+}
+
+
+@pytest.fixture(scope="session")
+def helm() -> str:
+    return str(fetch_helm())
+
+
+def run_helm(helm: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([helm, *args], capture_output=True, text=True, timeout=60)
+
+
+def render(helm: str, values: list[str]) -> list[dict]:
+    result = run_helm(
+        helm, "template", "rel", str(CHART), "--namespace", "serving", "--include-crds", *values
+    )
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def crd_json_schema() -> dict:
+    def convert(node):
+        if isinstance(node, dict):
+            out = {k: convert(v) for k, v in node.items() if not k.startswith("x-kubernetes")}
+            if out.get("exclusiveMinimum") is True:
+                out["exclusiveMinimum"] = out.pop("minimum")
+            return out
+        return [convert(v) for v in node] if isinstance(node, list) else node
+
+    crd = yaml.safe_load(CRD.read_text())
+    return convert(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
+
+
+def test_chart_crd_is_the_operators_crd():
+    assert filecmp.cmp(CRD, CHART / "crds" / CRD.name, shallow=False)
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_lint_strict(helm, name):
+    result = run_helm(helm, "lint", "--strict", str(CHART), *VALUE_SETS[name])
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_rendered_manifests_are_valid(helm, name):
+    docs = render(helm, VALUE_SETS[name])
+    kinds = {doc["kind"] for doc in docs}
+    assert {"CustomResourceDefinition", "Deployment", "ClusterRole", "ClusterRoleBinding"} <= kinds
+    for doc in docs:
+        if doc["apiVersion"] == "monitoring.coreos.com/v1":
+            # Not in the Kubernetes schemas (prometheus-operator's CRD): check what it must have.
+            assert doc["spec"]["endpoints"] and doc["spec"]["selector"]["matchLabels"]
+        elif doc["kind"] == "DSparkService":
+            jsonschema.validate(doc, crd_json_schema())
+        else:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_everything_renders_example_monitoring_and_dashboard(helm):
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in render(helm, EVERYTHING_ON)}
+    example = docs[("DSparkService", "chat")]
+    assert [t["name"] for t in example["spec"]["tiers"]] == ["interactive", "batch"]
+    assert example["spec"]["image"] == "ghcr.io/dspark/dspark-serve:0.1.0"
+    monitor = docs[("ServiceMonitor", "rel-dspark-serving")]
+    assert {r["targetLabel"] for r in monitor["spec"]["endpoints"][0]["relabelings"]} >= {
+        "dspark_service",
+        "dspark_tier",
+    }
+    dashboard = json.loads(docs[("ConfigMap", "rel-dspark-dashboard")]["data"]["dspark.json"])
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
+    for metric in (
+        "dspark_request_tokens_per_second",
+        "vllm:time_to_first_token_seconds",
+        "dspark_desired_replicas",
+        "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+        "dspark_sps_estimate",
+    ):
+        assert metric in exprs
+
+
+def test_namespaced_install_uses_role_bindings(helm):
+    docs = render(helm, VALUE_SETS["namespaced"])
+    bindings = [d for d in docs if d["kind"] == "RoleBinding"]
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    assert not [d for d in docs if d["kind"] == "ServiceAccount"]
+    operator = next(d for d in docs if d["kind"] == "Deployment")
+    env = {e["name"]: e["value"] for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["DSPARK_OPERATOR_NAMESPACES"] == "team-a,team-b"
+    assert env["DSPARK_OPERATOR_PROMETHEUS_URL"] == "http://prometheus.monitoring:9090"
+    assert operator["spec"]["template"]["spec"]["containers"][0]["image"].endswith(":dev")
+
+
+def test_rbac_is_least_privilege(helm):
+    docs = render(helm, [])
+    rules = [r for d in docs if d["kind"] == "ClusterRole" for r in d["rules"]]
+    verbs = {v for r in rules for v in r["verbs"]}
+    assert "*" not in verbs and not any("*" in r["resources"] for r in rules)
+    assert not any("secrets" in r["resources"] for r in rules)
+    nodes = next(r for r in rules if "nodes" in r["resources"])
+    assert nodes["verbs"] == ["list"]
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (
+            [
+                "--set",
+                "example.enabled=true",
+                "--set-json",
+                'example.tiers=[{"name":"gold","ttftP95Seconds":1}]',
+            ],
+            "tokensPerSecondPerUser",
+        ),
+        (
+            ["--set-json", 'example.tiers=[{"name":"gold","tokensPerSecondPerUser":-5,"ttftP95Seconds":1}]'],
+            "tokensPerSecondPerUser: Must be greater than 0",
+        ),
+        (["--set", "operator.metricsPort=70000"], "metricsPort"),
+        (["--set", "operator.prometheusUrl=prometheus:9090"], "prometheusUrl"),
+        (["--set", "operator.unknownKnob=1"], "unknownKnob"),
+        (["--set", "serviceAccount.create=false"], "serviceAccount.name is required"),
+    ],
+)
+def test_bad_values_are_rejected(helm, values, message):
+    result = run_helm(helm, "template", "rel", str(CHART), *values)
+    assert result.returncode != 0
+    assert message in result.stderr

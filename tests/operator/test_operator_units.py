@@ -1,0 +1,209 @@
+"""Profile parsing, metric reading, object builders and the CRD: pure parts of the operator."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+from dspark_operator import builders
+from dspark_operator.config import OperatorConfig
+from dspark_operator.metrics import (
+    PrometheusMetricsReader,
+    histogram_quantile,
+    parse_metrics_text,
+    tier_metrics_from_samples,
+)
+from dspark_operator.profile import PROFILE_BEGIN, PROFILE_END, SpsProfile, extract_profile_from_log
+from dspark_operator.profiling import job_state
+from dspark_operator.spec import ServiceSpec
+from operator_fixtures import PROFILE, SERVICE, profile_json, service
+
+CRD_PATH = Path(__file__).parents[2] / "operator/dspark_operator/crds/dsparkservices.dspark.ai.yaml"
+
+
+def test_profile_interpolates_and_extrapolates():
+    profile = SpsProfile.model_validate(PROFILE)
+    assert profile.sps(1) == pytest.approx(1000 / 18.25, rel=1e-3)
+    assert profile.sps(12) == pytest.approx((profile.sps(8) + profile.sps(16)) / 2)
+    assert profile.sps(1024) == pytest.approx(profile.sps(512) / 2)  # constant tokens/s past the end
+    assert profile.summary()["points"] == 8
+
+
+def test_profile_rejects_bad_points():
+    with pytest.raises(ValueError, match="duplicate"):
+        SpsProfile.model_validate({**PROFILE, "points": [{"batch_tokens": 1, "steps_per_second": 5}] * 2})
+    with pytest.raises(ValueError):
+        SpsProfile.model_validate({**PROFILE, "points": []})
+
+
+def test_profile_from_log_takes_last_marked_block():
+    log = f"warmup\n{PROFILE_BEGIN}\n{{broken\n{PROFILE_END}\n{PROFILE_BEGIN}\n{profile_json()}\n{PROFILE_END}\n"
+    assert extract_profile_from_log(log).device == "NVIDIA H200"
+    with pytest.raises(ValueError, match="marker"):
+        extract_profile_from_log("no profile here")
+
+
+def test_histogram_quantile_matches_prometheus():
+    buckets = {10.0: 10, 20.0: 30, 40.0: 40, float("inf"): 40}
+    assert histogram_quantile(0.5, buckets) == pytest.approx(15.0)
+    assert histogram_quantile(0.95, {1.0: 0, 2.0: 0, float("inf"): 5}) == 2.0
+    assert histogram_quantile(0.5, {1.0: 0, float("inf"): 0}) is None
+
+
+EXPOSITION = """
+# TYPE dspark_request_tokens_per_second histogram
+dspark_request_tokens_per_second_bucket{le="20.0"} %d
+dspark_request_tokens_per_second_bucket{le="40.0"} %d
+dspark_request_tokens_per_second_bucket{le="+Inf"} %d
+dspark_request_tokens_per_second_count %d
+dspark_request_tokens_per_second_sum 0
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="m"} 3
+# TYPE vllm:spec_decode_num_drafts counter
+vllm:spec_decode_num_drafts_total{model_name="m"} %d
+# TYPE vllm:spec_decode_num_accepted_tokens counter
+vllm:spec_decode_num_accepted_tokens_total{model_name="m"} %d
+"""
+
+
+def test_pod_metrics_are_diffed_between_scrapes():
+    first = parse_metrics_text(EXPOSITION % (100, 100, 100, 100, 10, 20))  # all slow so far
+    second = parse_metrics_text(EXPOSITION % (100, 200, 200, 200, 30, 80))  # then 100 fast ones
+    assert tier_metrics_from_samples(first, None).tokens_per_second_p50 == pytest.approx(10.0)
+    m = tier_metrics_from_samples(second, first)
+    assert m.tokens_per_second_p50 == pytest.approx(30.0)  # only the new requests count
+    assert m.requests_running == 3
+    assert m.accepted_per_step == pytest.approx(1 + 60 / 20)
+
+
+def test_prometheus_reader_queries_tier_series():
+    seen: list[str] = []
+    answers = {"0.5": 33.0, "0.95": 0.8, "running": 12.0}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            from urllib.parse import parse_qs, urlparse
+
+            query = parse_qs(urlparse(self.path).query)["query"][0]
+            seen.append(query)
+            value = next((v for k, v in answers.items() if k in query), None)
+            result = [] if value is None else [{"metric": {}, "value": [0, str(value)]}]
+            body = json.dumps(
+                {"status": "success", "data": {"resultType": "vector", "result": result}}
+            ).encode()
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        m = PrometheusMetricsReader(f"http://127.0.0.1:{server.server_address[1]}").read("ns", "chat", "gold")
+    finally:
+        server.shutdown()
+    assert m.tokens_per_second_p50 == 33.0 and m.ttft_p95_seconds == 0.8 and m.requests_running == 12.0
+    assert m.requests_waiting == 0.0 and m.accepted_per_step is None
+    assert all('dspark_service="chat",dspark_tier="gold"' in q for q in seen)
+
+
+def test_job_state():
+    job = {"metadata": {"creationTimestamp": "2026-01-01T00:00:00Z"}, "status": {}}
+    start = 1767225600.0
+    assert job_state(job, start + 10, timeout=60) == "Running"
+    assert job_state(job, start + 61, timeout=60) == "Failed"  # past its deadline
+    assert job_state({**job, "status": {"succeeded": 1}}, start, 60) == "Succeeded"
+    assert (
+        job_state({**job, "status": {"conditions": [{"type": "Failed", "status": "True"}]}}, start, 60)
+        == "Failed"
+    )
+
+
+BODY = {**SERVICE, "metadata": {"name": "chat", "namespace": "ml", "uid": "u-1"}}
+
+
+def test_builders_names_fit_kubernetes_limits():
+    long = "a-very-long-service-name-that-keeps-going-and-going"
+    name = builders.profile_job_name(long, "NVIDIA H100 80GB HBM3 (SXM)", "0123456789")
+    assert len(name) + 3 <= 63 and builders.slug("NVIDIA H100 80GB HBM3 (SXM)") != builders.slug(
+        "NVIDIA H100"
+    )
+    assert len(builders.workload_name(long, "interactive-premium")) <= 63
+
+
+def test_fingerprint_changes_with_image_and_model_only():
+    spec = ServiceSpec.model_validate(SERVICE["spec"])
+    fp = builders.profile_fingerprint(spec, "NVIDIA-H200")
+    assert fp == builders.profile_fingerprint(
+        ServiceSpec.model_validate(service(policy="static")["spec"]), "NVIDIA-H200"
+    )
+    assert fp != builders.profile_fingerprint(
+        ServiceSpec.model_validate(service(image="x:2")["spec"]), "NVIDIA-H200"
+    )
+    model = {**SERVICE["spec"]["model"], "target": "other/model"}
+    assert fp != builders.profile_fingerprint(
+        ServiceSpec.model_validate(service(model=model)["spec"]), "NVIDIA-H200"
+    )
+
+
+def test_inference_service_is_raw_mode_with_pinned_replicas():
+    spec = ServiceSpec.model_validate(service(serving={"kind": "InferenceService"})["spec"])
+    isvc = builders.build_inference_service(BODY, spec, spec.tiers[0], "gpu", "H200", "fp", 3)
+    assert isvc["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] == "RawDeployment"
+    assert isvc["spec"]["predictor"]["minReplicas"] == isvc["spec"]["predictor"]["maxReplicas"] == 3
+    assert isvc["spec"]["predictor"]["containers"][0]["command"][:2] == ["dspark", "serve"]
+
+
+def test_spec_validation_errors_are_clear():
+    bad = service()
+    del bad["spec"]["tiers"][0]["tokensPerSecondPerUser"]
+    with pytest.raises(ValueError, match="tokensPerSecondPerUser"):
+        ServiceSpec.model_validate(bad["spec"])
+    dup = service(tiers=[SERVICE["spec"]["tiers"][0]] * 2)
+    with pytest.raises(ValueError, match="unique"):
+        ServiceSpec.model_validate(dup["spec"])
+    stray = service(tiers=[{**SERVICE["spec"]["tiers"][0], "nodeTypes": ["Tesla-T4"]}])
+    with pytest.raises(ValueError, match="Tesla-T4"):
+        ServiceSpec.model_validate(stray["spec"])
+
+
+def crd_schema() -> dict:
+    crd = yaml.safe_load(CRD_PATH.read_text())
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def to_json_schema(node):
+    """OpenAPI v3 (structural) to JSON Schema: drop x-kubernetes-*, map boolean exclusiveMinimum."""
+    if isinstance(node, dict):
+        out = {k: to_json_schema(v) for k, v in node.items() if not k.startswith("x-kubernetes")}
+        if out.get("exclusiveMinimum") is True:
+            out["exclusiveMinimum"] = out.pop("minimum")
+        return out
+    if isinstance(node, list):
+        return [to_json_schema(v) for v in node]
+    return node
+
+
+def test_crd_schema_accepts_example_and_rejects_missing_target():
+    schema = to_json_schema(crd_schema())
+    jsonschema.validate(SERVICE, schema)
+    bad = service()
+    del bad["spec"]["tiers"][1]["tokensPerSecondPerUser"]
+    with pytest.raises(jsonschema.ValidationError, match="tokensPerSecondPerUser"):
+        jsonschema.validate(bad, schema)
+
+
+def test_config_from_env():
+    config = OperatorConfig.from_env(
+        {"DSPARK_OPERATOR_NODE_LABEL": "cloud/gpu", "DSPARK_OPERATOR_METRICS_PORT": "0"}
+    )
+    assert config.node_label == "cloud/gpu" and config.metrics_port == 0
+    with pytest.raises(ValueError):
+        OperatorConfig.from_env({"DSPARK_OPERATOR_RECONCILE_SECONDS": "-1"})

@@ -1,0 +1,82 @@
+"""An engine reuses its profile across starts, and refuses or replaces one that is not its own."""
+
+from __future__ import annotations
+
+import logging
+
+import dspark.profiling.profiler as profiler
+import pytest
+from dspark.drafters.ngram import NgramDrafter
+from dspark.profiling.acquire import acquire_profile, engine_identity
+from dspark.profiling.sps_profile import ProfileError, SpsProfile, default_profile_path
+
+from tests.engine.helpers import engine_on
+
+
+@pytest.fixture
+def engine(tiny_dirs, tmp_path, monkeypatch):
+    monkeypatch.setenv("DSPARK_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("DSPARK_SPS_PROFILE", raising=False)
+    return engine_on(tiny_dirs["llama"], NgramDrafter(4), "static:2", max_num_seqs=4, max_batch_tokens=64)
+
+
+@pytest.fixture
+def profiling_calls(monkeypatch):
+    calls = []
+    real = profiler.profile_engine
+
+    def counted(engine, **kw):
+        calls.append(engine)
+        return real(engine, grid=[1, 2, 4, 8, 16, 32, 64], repeats=1, min_seconds=0.0)
+
+    monkeypatch.setattr(profiler, "profile_engine", counted)
+    return calls
+
+
+def test_a_profile_is_measured_once_and_reused(engine, profiling_calls):
+    first = acquire_profile(engine)
+    assert len(profiling_calls) == 1
+    assert default_profile_path(*engine_identity(engine)).is_file()
+    assert [p.batch_tokens for p in first.points] == [1, 2, 4, 8, 16, 32, 64]
+    assert all(p.steps_per_second > 0 for p in first.points)
+    second = acquire_profile(engine)  # the next start on the same hardware
+    assert len(profiling_calls) == 1 and second == first
+
+
+@pytest.mark.parametrize("field,value", [("model", "another-model"), ("dtype", "bfloat16")])
+def test_a_profile_of_another_model_or_dtype_is_refused(
+    engine, profiling_calls, tmp_path, field, value, caplog
+):
+    mine = acquire_profile(engine)
+    foreign = tmp_path / "foreign.json"
+    mine.model_copy(update={field: value}).save(foreign)
+    with pytest.raises(ProfileError, match=f"{field} '{value}'"):
+        acquire_profile(engine, str(foreign), strict=True)
+    with caplog.at_level(logging.WARNING):
+        replaced = acquire_profile(engine, str(foreign))
+    assert f"{field} '{value}'" in caplog.text and "profiling this engine instead" in caplog.text
+    assert replaced.model == mine.model and len(profiling_calls) == 2
+
+
+@pytest.mark.parametrize(
+    "content,problem",
+    [
+        ("", "empty"),
+        ("{not json", "not valid JSON"),
+        ('{"version": 1}', "Field required"),
+        (None, "not found"),
+    ],
+)
+def test_a_broken_profile_file_is_named_then_replaced(
+    engine, profiling_calls, tmp_path, monkeypatch, content, problem, caplog
+):
+    path = tmp_path / "profile.json"
+    if content is not None:
+        path.write_text(content)
+    monkeypatch.setenv("DSPARK_SPS_PROFILE", str(path))
+    with pytest.raises(ProfileError):
+        acquire_profile(engine, strict=True)
+    with caplog.at_level(logging.WARNING):
+        profile = acquire_profile(engine)
+    assert isinstance(profile, SpsProfile) and len(profiling_calls) == 1
+    assert problem.lower() in caplog.text.lower()

@@ -1,0 +1,36 @@
+"""Fixtures of the serving tests: the OpenAI app over a fake engine, in this process (no Ray)."""
+
+from __future__ import annotations
+
+import pytest
+from dspark.serving.auth import BearerAuth
+from dspark.serving.config import ServeConfig
+from dspark.serving.openai_routes import build_openai_app
+from dspark.serving.replica import EngineReplica
+from starlette.testclient import TestClient
+
+from tests.serving.fake_engine import FakeEngine
+
+
+def make_replica(engine: FakeEngine | None = None, **config) -> EngineReplica:
+    return EngineReplica(ServeConfig(**config), engine or FakeEngine())
+
+
+def make_client(replica: EngineReplica, api_key: str | None = None) -> TestClient:
+    app = build_openai_app(
+        replica.service, BearerAuth(api_key), ready=replica.ready, metrics=replica.metrics_text
+    )
+    return TestClient(app, raise_server_exceptions=False)
+
+
+@pytest.fixture
+def replica():
+    r = make_replica(max_output_tokens=64)
+    yield r
+    r.shutdown()
+
+
+@pytest.fixture
+def client(replica) -> TestClient:
+    with make_client(replica) as c:
+        yield c

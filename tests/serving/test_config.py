@@ -1,0 +1,94 @@
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from dspark.cli import main
+from dspark.serving.config import ServeConfig, load_config
+from dspark.serving.readiness import policy_needs_profile, profile_present
+
+
+def test_layers_file_then_env_then_flags(tmp_path: Path):
+    f = tmp_path / "serve.yaml"
+    f.write_text("port: 9001\npolicy: static:2\nmax_queue: 5\nautoscaling: {max_replicas: 3}\n")
+    env = {"DSPARK_PORT": "9002", "DSPARK_DRAFTER": "none"}
+    cfg = load_config(f, overrides={"port": 9003, "target": None}, environ=env)
+    assert (cfg.port, cfg.policy, cfg.drafter, cfg.max_queue) == (9003, "static:2", "none", 5)
+    assert cfg.autoscaling is not None and cfg.autoscaling.max_replicas == 3 and cfg.max_replicas == 3
+    assert cfg.engine_overrides() == {"drafter": "none", "policy": "static:2"}
+
+
+def test_env_json_for_nested_and_config_file_env(tmp_path: Path):
+    f = tmp_path / "c.yaml"
+    f.write_text("max_num_seqs: 4\n")
+    env = {
+        "DSPARK_CONFIG": str(f),
+        "DSPARK_AUTOSCALING": '{"min_replicas": 0, "max_replicas": 2}',
+        "DSPARK_API_KEY": "sekret",
+        "DSPARK_KSERVE": "true",
+    }
+    cfg = load_config(environ=env)
+    assert cfg.max_num_seqs == 4 and cfg.autoscaling.max_replicas == 2 and cfg.kserve
+    assert cfg.api_key.get_secret_value() == "sekret"
+    assert cfg.effective()["server"]["api_key"] == "***"
+    assert cfg.effective()["engine"]["max_num_seqs"] == 4
+
+
+@pytest.mark.parametrize(
+    ("values", "needle"),
+    [
+        ({"port": "x"}, "port"),
+        ({"bogus": 1}, "bogus"),
+        ({"max_queue": -1}, "max_queue"),
+        ({"autoscaling": {"max_replicas": 0}}, "autoscaling.max_replicas"),
+    ],
+)
+def test_invalid_config_names_the_field(values, needle):
+    with pytest.raises(ValueError, match=needle):
+        load_config(overrides=values, environ={})
+
+
+def test_bad_file_and_bad_env_json(tmp_path: Path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("- a list\n")
+    with pytest.raises(ValueError, match="mapping"):
+        load_config(f, environ={})
+    with pytest.raises(ValueError, match="JSON"):
+        load_config(environ={"DSPARK_AUTOSCALING": "{nope"})
+    with pytest.raises(ValueError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml", environ={})
+
+
+def test_print_config_shows_effective_settings(monkeypatch):
+    monkeypatch.setenv("DSPARK_MAX_BATCH_TOKENS", "256")
+    result = CliRunner().invoke(main, ["serve", "--print-config", "--policy", "static:3", "--port", "8123"])
+    assert result.exit_code == 0, result.output
+    assert "policy: static:3" in result.output and "port: 8123" in result.output
+    assert "max_batch_tokens: 256" in result.output and "target: smollm2-135m" in result.output
+    bad = CliRunner().invoke(main, ["serve", "--print-config", "--dtype", "float32", "--max-queue", "-2"])
+    assert bad.exit_code != 0 and "max_queue" in bad.output
+
+
+def write_profile(path: Path) -> None:
+    from dspark.profiling.sps_profile import SpsPoint, SpsProfile
+
+    SpsProfile(
+        device="cpu",
+        model="smollm2-135m",
+        dtype="float32",
+        points=[SpsPoint(batch_tokens=1, steps_per_second=10.0)],
+    ).save(path)
+
+
+def test_profile_presence(tmp_path: Path, monkeypatch):
+    for free in ("none", "static:4", "full", "threshold:0.5"):
+        assert not policy_needs_profile(free) and profile_present(free, tmp_path / "missing.json")
+    assert policy_needs_profile("dspark") and policy_needs_profile("dspark-async")
+    path = tmp_path / "sps.json"
+    assert not profile_present("dspark", path)
+    path.write_text("{}")
+    assert not profile_present("dspark", path)  # present but not a valid profile
+    write_profile(path)
+    assert profile_present("dspark", path)
+    monkeypatch.setenv("DSPARK_SPS_PROFILE", str(path))
+    assert profile_present("dspark") and profile_present("dspark-async", None, tmp_path / "other.json")
+    assert ServeConfig().sps_profile is None
