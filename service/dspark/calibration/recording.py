@@ -68,21 +68,15 @@ class RecordingDrafter(Drafter):
         self._accepted: list[int] = []
         self._verified: list[int] = []
         self._requests: list[str] = []
-        self._released: set[str] = set()
 
     def admit(self, request: Request) -> None:
-        self._released.discard(request.request_id)
         self.inner.admit(request)
 
     def release(self, request: Request) -> None:
-        self._released.add(request.request_id)
         self.inner.release(request)
 
     def commit(self, requests: Sequence[Request], features: Sequence[torch.Tensor | None]) -> None:
-        # The engine commits a verification step's tokens after emitting them, so a request that
-        # finished in that step arrives here already released; the checkpoint drafters refuse those.
-        kept = [(r, f) for r, f in zip(requests, features, strict=True) if r.request_id not in self._released]
-        self.inner.commit([r for r, _ in kept], [f for _, f in kept])
+        self.inner.commit(requests, features)
 
     def propose(self, requests: Sequence[Request], sampling: SamplingTensors) -> DraftBlock:
         block = self.inner.propose(requests, sampling)
