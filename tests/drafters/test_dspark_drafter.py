@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from dspark.drafters.calibration import Calibration
+from dspark.drafters.calibration import Calibration, drafter_id
 from dspark.drafters.checkpoint import load_draft_model
 from dspark.drafters.factory import load_drafter
 from safetensors.torch import load_file, save_file
@@ -139,7 +139,7 @@ def test_calibration_temperatures_scale_confidences(tmp_path, target):
     ckpt = tmp_path / "draft"
     shutil.copytree(FIXTURE / "draft_gated", ckpt)
     temps = [0.5, 1.0, 2.0, 3.0, 1.5, 4.0, 0.8]
-    Calibration(drafter_id="gated-test", temperatures=temps).save(ckpt)
+    Calibration(drafter_id=drafter_id(ckpt), temperatures=temps).save(ckpt)
     exp = load_file(ckpt / "expected.safetensors")
     prompt = exp["prompt_ids"][0].tolist()
     request = make_request("r", [*prompt, int(exp["anchor_id"])], num_cached=len(prompt))
@@ -148,7 +148,7 @@ def test_calibration_temperatures_scale_confidences(tmp_path, target):
     want = torch.sigmoid(exp["confidence_logits"] / torch.tensor(temps))
     torch.testing.assert_close(block.confidences, want, atol=1e-5, rtol=1e-5)
 
-    Calibration(drafter_id="gated-test", temperatures=temps[:3]).save(ckpt)
+    Calibration(drafter_id=drafter_id(ckpt), temperatures=temps[:3]).save(ckpt)
     with pytest.raises(ValueError, match="3 temperatures but the drafter drafts 7"):
         load_drafter(str(ckpt), target.config)
 

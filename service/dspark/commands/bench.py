@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from dspark.commands.options import engine_options
+from dspark.models.registry import DEFAULT_MODEL
 
 
 @click.group()
@@ -121,3 +122,112 @@ def serve_bench(
     plot_serve_bench(points, output_dir / "frontier.png", output_dir / "verify-budget.png")
     click.echo(json.dumps(summary, indent=2))
     click.echo(f"saved {output_dir}/bench-serve.json, frontier.png, verify-budget.png")
+
+
+@bench.command()
+@click.option("--target", default=DEFAULT_MODEL, show_default=True, help="Model name or HF-format directory.")
+@click.option(
+    "--drafters",
+    default="dspark,dflash,eagle3",
+    show_default=True,
+    help="Comma-separated shipped drafter names or checkpoint directories.",
+)
+@click.option("--domains", default="math,code,chat", show_default=True, help="Comma-separated eval domains.")
+@click.option(
+    "--num-prompts", type=int, default=20, show_default=True, help="Bench-split prompts per domain."
+)
+@click.option("--max-tokens", type=int, default=128, show_default=True)
+@click.option(
+    "--temperatures", default="1.0,0", show_default=True, help="Comma-separated sampling temperatures."
+)
+@click.option(
+    "--gammas",
+    default="native",
+    show_default=True,
+    help="Comma-separated block sizes (e.g. 4,7,15); 'native' = each drafter's own.",
+)
+@click.option("--max-num-seqs", type=int, default=16, show_default=True, help="Requests decoded together.")
+@click.option(
+    "--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True
+)
+@click.option("--device", default="auto", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--output-dir", type=click.Path(path_type=Path), default=Path("runs/acceptance"), show_default=True
+)
+def acceptance(
+    target,
+    drafters,
+    domains,
+    num_prompts,
+    max_tokens,
+    temperatures,
+    gammas,
+    max_num_seqs,
+    dtype,
+    device,
+    seed,
+    output_dir,
+) -> None:
+    """Offline acceptance (paper protocol): tau, per-position acceptance and a confidence-threshold sweep."""
+    from tqdm import tqdm
+
+    from dspark.bench.acceptance import run_acceptance, summarize_run, write_report
+    from dspark.bench.datasets import EVAL_DOMAINS
+    from dspark.calibration.collect import base_engine, encode_eval_prompts, resolve_drafter_dir
+    from dspark.models.pull import ModelError
+
+    names = _csv(domains)
+    unknown = [d for d in names if d not in EVAL_DOMAINS]
+    if unknown:
+        raise click.BadParameter(
+            f"unknown domain(s) {unknown}; known: {list(EVAL_DOMAINS)}", param_hint="--domains"
+        )
+    try:
+        temps = [float(t) for t in _csv(temperatures)]
+        block_sizes = [None] if gammas.strip() == "native" else [int(g) for g in _csv(gammas)]
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from e
+    if any(t < 0 for t in temps) or any(g is not None and g < 1 for g in block_sizes):
+        raise click.BadParameter("temperatures must be >= 0 and block sizes >= 1")
+    try:
+        specs = {spec: resolve_drafter_dir(spec, target) for spec in _csv(drafters)}
+        engine = base_engine(target, device, dtype)
+        prompts = encode_eval_prompts(engine.tokenizer, names, num_prompts, "bench")
+        total = sum(map(len, prompts.values())) * len(specs) * len(temps) * len(block_sizes)
+        with tqdm(total=total, desc="bench acceptance", unit="prompt") as bar:
+            runs = run_acceptance(
+                engine,
+                specs,
+                prompts,
+                temperatures=temps,
+                gammas=block_sizes,
+                max_tokens=max_tokens,
+                seed=seed,
+                max_num_seqs=max_num_seqs,
+                progress=bar.update,
+            )
+    except (ModelError, ValueError) as e:
+        raise click.ClickException(str(e)) from e
+    meta = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": platform.processor() or platform.machine(),
+        "target": target,
+        "drafters": {k: str(v) for k, v in specs.items()},
+        "num_prompts": num_prompts,
+        "max_tokens": max_tokens,
+        "seed": seed,
+        "device": str(engine.device),
+        "dtype": str(engine.dtype),
+    }
+    files = write_report(runs, meta, output_dir)
+    for s in (summarize_run(r) for r in runs):
+        taus = "  ".join(f"{d} {m['tau']:.2f}" for d, m in s["domains"].items())
+        click.echo(
+            f"{s['drafter']:>12} gamma {s['gamma']:>2} T={s['temperature']:g}: {taus}  macro {s['macro_tau']:.2f}"
+        )
+    click.echo("saved " + ", ".join(str(p) for p in files.values()))
+
+
+def _csv(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]

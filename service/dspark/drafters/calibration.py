@@ -2,12 +2,32 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
 CALIBRATION_FILE = "calibration.json"
+# What identifies a checkpoint: its config and weights (the calibration itself is not part of it).
+_ID_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
+def drafter_id(checkpoint_dir: str | Path) -> str:
+    """A hash of the checkpoint's config and weight files (sharded ones too): a calibration fitted on
+    one drafter is refused by any other, including a retrained one of the same shape."""
+    root = Path(checkpoint_dir)
+    names = [n for n in _ID_FILES if (root / n).is_file()]
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        names += sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    digest = hashlib.sha256()
+    for name in names:
+        digest.update(name.encode() + b"\0")
+        with open(root / name, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                digest.update(chunk)
+    return "sha256:" + digest.hexdigest()[:20]
 
 
 class Calibration(BaseModel):
@@ -24,11 +44,18 @@ class Calibration(BaseModel):
 
     @classmethod
     def find(cls, checkpoint_dir: str | Path, gamma: int) -> Calibration | None:
-        """The calibration next to a checkpoint, or None; refuses one made for another block length."""
+        """The calibration next to a checkpoint, or None; refuses one made for another drafter (its
+        `drafter_id` differs from this checkpoint's) or for another block length."""
         path = Path(checkpoint_dir) / CALIBRATION_FILE
         if not path.is_file():
             return None
         calibration = cls.model_validate(json.loads(path.read_text()))
+        expected = drafter_id(checkpoint_dir)
+        if calibration.drafter_id != expected:
+            raise ValueError(
+                f"{path} was fitted for drafter {calibration.drafter_id}, but this checkpoint is {expected}: "
+                "recalibrate it (`dspark calibrate`) or remove the file"
+            )
         if len(calibration.temperatures) != gamma:
             raise ValueError(
                 f"{path} has {len(calibration.temperatures)} temperatures but the drafter drafts {gamma} tokens"

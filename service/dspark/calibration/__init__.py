@@ -1,0 +1,1 @@
+"""Confidence calibration: recorded speculative rounds, Sequential Temperature Scaling, metrics, plots."""

@@ -1,0 +1,102 @@
+"""`dspark bench acceptance` and `dspark calibrate` end to end: real eval prompts through SmolLM2's
+tokenizer and chat template, a tiny random target with its vocabulary, a random DSpark drafter."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+from dspark.cli import main
+from dspark.drafters.checkpoint import build_model, save_draft_model
+from dspark.drafters.config import DraftConfig
+
+from tests.conftest import write_tiny_model
+
+VOCAB = 49152
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(smollm_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("accept")
+    target = write_tiny_model(root / "target", "llama", vocab_size=VOCAB, max_position_embeddings=2048)
+    for name in TOKENIZER_FILES:
+        if (smollm_dir / name).is_file():
+            shutil.copy(smollm_dir / name, target / name)
+    torch.manual_seed(0)
+    raw = {
+        "architectures": ["Qwen3DSparkModel"],
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "max_position_embeddings": 2048,
+        "block_size": 4,
+        "target_layer_ids": [0, 1],
+        "num_target_layers": 2,
+        "mask_token_id": 0,
+        "markov_head_type": "rnn",
+        "markov_rank": 8,
+        "enable_confidence_head": True,
+        "confidence_head_with_markov": True,
+    }
+    drafter = root / "dspark"
+    save_draft_model(build_model(DraftConfig.from_dict(raw)), drafter)
+    return target, drafter
+
+
+def test_bench_acceptance_cli(tiny_pair, tmp_path):
+    target, drafter = tiny_pair
+    out = tmp_path / "acc"
+    args = [
+        "bench",
+        "acceptance",
+        "--target",
+        str(target),
+        "--drafters",
+        str(drafter),
+        "--domains",
+        "math,chat",
+    ]
+    args += ["--num-prompts", "2", "--max-tokens", "12", "--temperatures", "1.0,0", "--device", "cpu"]
+    result = CliRunner().invoke(main, [*args, "--dtype", "float32", "--output-dir", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "acceptance.json").read_text())
+    assert [(r["temperature"], sorted(r["domains"])) for r in report["runs"]] == [
+        (1.0, ["chat", "math"]),
+        (0.0, ["chat", "math"]),
+    ]
+    assert report["meta"]["num_prompts"] == 2
+    assert (out / "acceptance.md").read_text().startswith("# Acceptance benchmark")
+    assert "macro" in result.output
+
+
+def test_calibrate_cli_records_rounds(tiny_pair, tmp_path):
+    target, drafter = tiny_pair
+    out = tmp_path / "cal"
+    args = ["calibrate", str(drafter), "--target", str(target), "--domains", "code", "--num-prompts", "2"]
+    args += ["--max-tokens", "16", "--device", "cpu", "--dtype", "float32", "--check-fraction", "0"]
+    result = CliRunner().invoke(main, [*args, "--output-dir", str(out), "--no-write"])
+    assert result.exit_code == 0, result.output
+    assert (out / "rounds.npz").is_file() and (out / "reliability.png").is_file()
+    report = json.loads((out / "calibration-report.json").read_text())
+    assert len(report["temperatures"]) == 4 and report["check"] is None
+    assert report["meta"]["rounds"] >= 2 * 15 // 5  # two requests, at most 1 + 4 tokens per round
+    assert not (drafter / "calibration.json").exists()  # --no-write
+
+
+def test_unknown_drafter_name_is_refused(tiny_pair):
+    target, _ = tiny_pair
+    result = CliRunner().invoke(
+        main, ["bench", "acceptance", "--target", str(target), "--drafters", "dspark"]
+    )
+    assert result.exit_code != 0
+    assert "neither a checkpoint directory" in result.output

@@ -1,0 +1,3 @@
+"""The tiny DeepSpec reference target, shared with the drafter tests."""
+
+from tests.drafters.conftest import target  # noqa: F401 - pytest fixture
