@@ -32,6 +32,18 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+# The runner's packed projections and the checkpoint tensors they are concatenated from.
+PACKED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def checkpoint_names(key: str) -> list[str]:
+    """The HF checkpoint tensor(s) behind one of the runner's parameters."""
+    for packed, parts in PACKED_PROJECTIONS.items():
+        if f".{packed}." in key:
+            return [key.replace(packed, part) for part in parts]
+    return [key]
+
+
 def load_target_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> DecoderModel:
     """Build the decoder for `model_dir` and load its weights, refusing mismatched checkpoints."""
     config = load_target_config(model_dir)
@@ -40,16 +52,19 @@ def load_target_model(model_dir: Path, dtype: torch.dtype, device: torch.device)
     state = load_state_dict(model_dir)
     if config.tie_word_embeddings or "lm_head.weight" not in state:
         state["lm_head.weight"] = state.get("model.embed_tokens.weight", state.get("lm_head.weight"))
-    expected = {k for k in model.state_dict() if not k.startswith("rotary.")}
-    missing = sorted(expected - state.keys())
-    unexpected = sorted(k for k in state.keys() - expected if "rotary_emb" not in k)
+    expected = [k for k in model.state_dict() if not k.startswith("rotary.")]
+    wanted = {name for key in expected for name in checkpoint_names(key)}
+    missing = sorted(wanted - state.keys())
+    unexpected = sorted(k for k in state.keys() - wanted if "rotary_emb" not in k)
     if missing or unexpected:
         raise ModelError(
             f"checkpoint in {model_dir} does not match its config: "
             f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
             f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
         )
-    state = {k: state[k].to(dtype=dtype, device=device) for k in expected}
+    state = {
+        k: torch.cat([state[n] for n in checkpoint_names(k)]).to(dtype=dtype, device=device) for k in expected
+    }
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

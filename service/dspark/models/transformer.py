@@ -46,9 +46,8 @@ class Attention(nn.Module):
         attention_bias = config.model_type != "qwen2" and getattr(config, "attention_bias", False)
         qkv_bias = config.model_type == "qwen2" or attention_bias
         d = config.hidden_size
-        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        # q, k and v in one matmul (the loader packs the checkpoint's three projections).
+        self.qkv_proj = nn.Linear(d, (self.num_heads + 2 * self.num_kv_heads) * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=attention_bias)
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
@@ -59,9 +58,17 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, cache: KVCache
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(
+            [
+                self.num_heads * self.head_dim,
+                self.num_kv_heads * self.head_dim,
+                self.num_kv_heads * self.head_dim,
+            ],
+            -1,
+        )
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -116,12 +123,12 @@ class MLP(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
