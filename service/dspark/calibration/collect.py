@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from dspark.calibration.recording import RecordingDrafter, load_raw_drafter
+from dspark.calibration.recording import RecordingDrafter
 from dspark.calibration.rounds import RoundLog
 from dspark.drafters.checkpoint import SharedWeights
+from dspark.drafters.factory import load_drafter
 from dspark.engine.config import EngineConfig
 from dspark.engine.sampling_params import SamplingParams
 
@@ -63,8 +64,14 @@ def collect_rounds(
     from dspark.policies.factory import build_policy
 
     shared = SharedWeights(engine.model.model.embed_tokens.weight, engine.model.lm_head.weight)
-    drafter = load_raw_drafter(
-        checkpoint, engine.model.config, engine.device, engine.dtype, shared=shared, gamma=gamma
+    drafter = load_drafter(
+        str(checkpoint),
+        engine.model.config,
+        engine.device,
+        engine.dtype,
+        shared=shared,
+        gamma=gamma,
+        calibrated=False,
     )
     recorder = RecordingDrafter(drafter)
     longest = max((len(p) for ps in prompts.values() for p in ps), default=1)

@@ -3,48 +3,25 @@
 `RecordingDrafter` wraps any drafter: it passes every call through and remembers, per `propose`,
 the block's confidences and each request's accepted / drafted counters; `flush` (after the engine
 step that verified the block) turns the counter deltas into rounds. Drafters are loaded without
-their calibration file so the recorded confidences are the raw ones (`load_raw_drafter`).
+their calibration file so the recorded confidences are the raw ones (`load_drafter(..., calibrated=False)`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from dspark.calibration.rounds import RoundLog
 from dspark.drafters.base import DraftBlock, Drafter
-from dspark.drafters.checkpoint import SharedWeights, load_draft_model
 from dspark.engine.request import Request
 from dspark.engine.sampler import SamplingTensors
 from dspark.engine.sampling_params import SamplingParams
 
 # float32 sigmoid saturates at |logit| ~ 17; recovered logits are clipped there.
 _EPS = 1e-7
-
-
-def load_raw_drafter(
-    checkpoint_dir: str | Path,
-    target_config: Any,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    *,
-    shared: SharedWeights | None = None,
-    gamma: int | None = None,
-) -> Drafter:
-    """A DSpark / DFlash / EAGLE-3 drafter from a checkpoint, ignoring any calibration.json beside it."""
-    from dspark.drafters.dspark_drafter import DSparkDrafter
-    from dspark.drafters.dspark_model import DSparkModel
-    from dspark.drafters.eagle3_drafter import Eagle3Drafter
-
-    model = load_draft_model(
-        checkpoint_dir, target=target_config, shared=shared, device=device, dtype=dtype, gamma=gamma
-    )
-    return DSparkDrafter(model) if isinstance(model, DSparkModel) else Eagle3Drafter(model)
 
 
 @dataclass

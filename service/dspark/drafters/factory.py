@@ -25,10 +25,12 @@ def load_drafter(
     *,
     shared: SharedWeights | None = None,
     gamma: int | None = None,
+    calibrated: bool = True,
 ) -> Drafter:
     """A drafter for `spec`. Checkpoints (told apart by their config.json) are checked against
     `target_config` and keep their own block size unless `gamma` overrides it; `shared` passes the target's embedding and
-    LM head (required when the checkpoint omits them, and shared instead of copied)."""
+    LM head (required when the checkpoint omits them, and shared instead of copied). `calibrated=False`
+    ignores calibration.json (raw confidences, as `dspark calibrate` needs them)."""
     from dspark.drafters.ngram import NgramDrafter, NoDrafter
 
     if spec == "none":
@@ -49,5 +51,5 @@ def load_drafter(
         path, target=target_config, shared=shared, device=device, dtype=dtype, gamma=gamma
     )
     if isinstance(model, DSparkModel):
-        return DSparkDrafter(model, Calibration.find(path, model.config.gamma))
+        return DSparkDrafter(model, Calibration.find(path, model.config.gamma) if calibrated else None)
     return Eagle3Drafter(model)

@@ -32,7 +32,7 @@ DEFAULT_MODEL = "smollm2-135m"
 
 def dspark_home() -> Path:
     """Root of the project's caches (models, profiles); `$DSPARK_HOME` or ~/.cache/dspark."""
-    return Path(os.environ.get("DSPARK_HOME", Path.home() / ".cache" / "dspark"))
+    return Path(os.environ.get("DSPARK_HOME") or "~/.cache/dspark").expanduser()
 
 
 def model_cache_dir(name: str) -> Path:

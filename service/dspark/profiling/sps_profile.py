@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, overload
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
+from dspark.models.registry import dspark_home
+
 if TYPE_CHECKING:  # torch is imported on first lookup: the operator reads profiles without it
     import torch
 
@@ -256,10 +258,6 @@ def _tail_slope(xs: list[float], times: list[float]) -> float:
 
 def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
-
-
-def dspark_home() -> Path:
-    return Path(os.environ.get("DSPARK_HOME") or "~/.cache/dspark").expanduser()
 
 
 def default_profile_path(model: str, dtype: str, device: str) -> Path:
