@@ -1,6 +1,6 @@
 """Self-distillation: the target's own responses to the training prompts, generated in batches.
 
-Responses are appended to `samples.jsonl` one engine batch at a time, so an interrupted run
+Responses are appended to `samples.jsonl` a few engine batches at a time, so an interrupted run
 continues where it stopped. A fixed share of prompts (`greedy_fraction`) is answered greedily and
 the rest sampled at `temperature` with a per-prompt seed: evaluation happens at both T=0 and T=1,
 and the TV loss supervises the whole target distribution at every position either way, so the
@@ -39,9 +39,12 @@ def generate_samples(
     bar = tqdm(total=len(prompts), initial=done, desc="self-distill", unit="prompt", disable=not progress)
     start = time.perf_counter()
     new_tokens = 0
+    # Several engine batches per call: the engine refills finished slots from the queue, so short
+    # responses do not leave the batch idle while the longest one finishes.
+    chunk = 4 * cfg.generation_batch
     with open(path, "a") as out:
-        for first in range(done, len(prompts), cfg.generation_batch):
-            batch = prompts[first : first + cfg.generation_batch]
+        for first in range(done, len(prompts), chunk):
+            batch = prompts[first : first + chunk]
             params = []
             for i in range(first, first + len(batch)):
                 temperature, seed = sampling_for(i, cfg)
