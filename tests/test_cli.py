@@ -68,6 +68,10 @@ def test_bench_decode_writes_a_report(smollm_dir, tmp_path):
             "8",
             "--domains",
             "code",
+            "--drafter",
+            "dflash",
+            "--policy",
+            "static:2",
             "--output",
             str(out),
         ],
@@ -75,5 +79,6 @@ def test_bench_decode_writes_a_report(smollm_dir, tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     systems = {row["system"] for row in report["summary"]}
-    assert {"engine plain", "HF generate plain"} <= systems and len(report["runs"]) == 4
+    assert {"engine plain", "engine dflash (static:2)", "HF generate plain"} <= systems
+    assert len(report["runs"]) == 5
     assert all(r["tokens"] > 0 and r["seconds"] > 0 for r in report["runs"])

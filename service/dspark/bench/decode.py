@@ -75,6 +75,8 @@ def run_decode_bench(
             build_policy(f"static:{lookup}"),
         ),
     }
+    if config.drafter not in ("none", "ngram"):  # the drafter asked for, with its own policy and profile
+        systems[f"engine {Path(config.drafter).name} ({config.policy})"] = LLMEngine.from_config(config)
     hf = None
     if include_hf:
         hf = (

@@ -32,7 +32,8 @@ def bench() -> None:
     "--output", type=click.Path(path_type=Path), default=Path("runs/bench-decode.json"), show_default=True
 )
 def decode(engine_config, domains, num_prompts, max_tokens, lookup, no_hf, output) -> None:
-    """Tokens/s at batch 1: engine plain vs n-gram vs HF generate() (plain and prompt lookup)."""
+    """Tokens/s at batch 1: engine plain, n-gram, the --drafter with its --policy (unless none / ngram),
+    HF generate() (plain and prompt lookup)."""
     from tqdm import tqdm
 
     from dspark.bench.decode import format_table, run_decode_bench, summarize, write_report
