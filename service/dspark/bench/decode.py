@@ -75,8 +75,13 @@ def run_decode_bench(
             build_policy(f"static:{lookup}"),
         ),
     }
-    if config.drafter not in ("none", "ngram"):  # the drafter asked for, with its own policy and profile
-        systems[f"engine {Path(config.drafter).name} ({config.policy})"] = LLMEngine.from_config(config)
+    if config.drafter not in ("none", "ngram"):  # the drafter asked for, with its policy (and SPS profile)
+        from dspark.profiling.acquire import acquire_profile, needs_profile
+
+        drafted = LLMEngine.from_config(config.model_copy(update={"policy": "none"}))
+        sps = acquire_profile(drafted) if needs_profile(config.policy) else None
+        name = f"engine {Path(config.drafter).name} ({config.policy})"
+        systems[name] = drafted.sibling(drafted.drafter, build_policy(config.policy, sps=sps))
     hf = None
     if include_hf:
         hf = (
@@ -107,14 +112,15 @@ def run_decode_bench(
 
 
 def summarize(results: list[Measurement]) -> list[dict]:
-    """Per system and domain: median tokens/s over prompts, and the ratio to HF plain (or engine plain)."""
+    """Per system and domain: median tokens/s over prompts, and its ratios to HF plain (None when HF
+    was not run) and to engine plain."""
     rows = []
     domains = sorted({m.domain for m in results})
     systems = list(dict.fromkeys(m.system for m in results))
     for domain in [*domains, "all"]:
         picked = [m for m in results if domain in ("all", m.domain)]
         median = {s: statistics.median(m.tokens_per_second for m in picked if m.system == s) for s in systems}
-        base = median.get("HF generate plain", median["engine plain"])
+        hf = median.get("HF generate plain")
         for s in systems:
             taus = [m.tau for m in picked if m.system == s]
             rows.append(
@@ -122,7 +128,7 @@ def summarize(results: list[Measurement]) -> list[dict]:
                     "domain": domain,
                     "system": s,
                     "median_tokens_per_s": round(median[s], 2),
-                    "vs_hf_plain": round(median[s] / base, 3),
+                    "vs_hf_plain": round(median[s] / hf, 3) if hf else None,
                     "vs_engine_plain": round(median[s] / median["engine plain"], 3),
                     "median_tau": round(statistics.median(taus), 3),
                 }
@@ -145,7 +151,8 @@ def format_table(rows: list[dict]) -> str:
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
-            f"{r['domain']:6s} {r['system']:32s} {r['median_tokens_per_s']:14.1f} {r['vs_hf_plain']:11.2f} "
+            f"{r['domain']:6s} {r['system']:32s} {r['median_tokens_per_s']:14.1f} "
+            f"{'-' if r['vs_hf_plain'] is None else format(r['vs_hf_plain'], '.2f'):>11s} "
             f"{r['vs_engine_plain']:15.2f} {r['median_tau']:5.2f}"
         )
     return "\n".join(lines)
