@@ -94,6 +94,21 @@ def test_observe_step_refines_the_dspark_curve() -> None:
     assert frozen.sps is PROFILE
 
 
+def test_step_overhead_makes_verification_relatively_cheaper() -> None:
+    """Drafting time is paid whatever is verified, so a slow drafter justifies verifying more."""
+    policy = DSparkPolicy(PROFILE)
+    conf = confidences(0)
+    before = policy.schedule(conf, 6, 16).sum()
+    for _ in range(100):
+        policy.observe_step(16, 1 / PROFILE.sps(16.0), overhead_s=0.05)
+    assert policy.overhead_s == pytest.approx(0.05, rel=1e-3)
+    after = policy.schedule(conf, 6, 16).sum()
+    assert after > before
+    frozen = DSparkPolicy(PROFILE, refine=False)
+    frozen.observe_step(16, 1.0, overhead_s=0.05)
+    assert frozen.overhead_s == 0.0
+
+
 def test_async_uses_greedy_for_two_steps_then_capacity_from_two_steps_back() -> None:
     policy = DSparkAsyncPolicy(PROFILE, refine=False)
     confs = [confidences(seed, rows=16 + seed) for seed in range(5)]  # the request count changes

@@ -344,7 +344,7 @@ class LLMEngine:
         stats.verify_budgets = list(draft.lengths)
         stats.forward_time_s, stats.step_time_s = forward_time, step_time
         if not plan.prefills:  # mixed prefill steps would skew the verification-time estimate
-            self.policy.observe_step(stats.verify_batch_tokens, forward_time)
+            self.policy.observe_step(stats.verify_batch_tokens, forward_time, step_time - forward_time)
         self.last_step_stats = stats
 
     # ---- offline use ----------------------------------------------------------------------

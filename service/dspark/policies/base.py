@@ -16,5 +16,8 @@ class VerifyPolicy(ABC):
     def schedule(self, confidences: torch.Tensor | None, gamma: int, num_requests: int) -> torch.Tensor:
         """Return verify lengths [R] int64; `confidences` is [R, gamma] or None."""
 
-    def observe_step(self, batch_tokens: int, seconds: float) -> None:  # noqa: B027 - optional hook
-        """Measured duration of a verification forward of `batch_tokens` tokens."""
+    def observe_step(  # noqa: B027 - optional hook
+        self, batch_tokens: int, seconds: float, overhead_s: float = 0.0
+    ) -> None:
+        """Measured duration of a verification forward of `batch_tokens` tokens, and the rest of
+        that engine step (drafting, acceptance)."""
