@@ -67,7 +67,9 @@ def run_decode_bench(
     from dspark.commands.generate import encode_prompt
     from dspark.models.pull import resolve_target
 
-    plain = LLMEngine.from_config(config.model_copy(update={"drafter": "none", "policy": "none"}))
+    # One load of the target (and of the --drafter, if any); every system is a sibling over it.
+    base = LLMEngine.from_config(config.model_copy(update={"policy": "none"}))
+    plain = base.sibling(load_drafter("none", base.model.config), build_policy("none"))
     systems = {
         "engine plain": plain,
         f"engine ngram (static:{lookup})": plain.sibling(
@@ -78,10 +80,9 @@ def run_decode_bench(
     if config.drafter not in ("none", "ngram"):  # the drafter asked for, with its policy (and SPS profile)
         from dspark.profiling.acquire import acquire_profile, needs_profile
 
-        drafted = LLMEngine.from_config(config.model_copy(update={"policy": "none"}))
-        sps = acquire_profile(drafted) if needs_profile(config.policy) else None
+        sps = acquire_profile(base) if needs_profile(config.policy) else None
         name = f"engine {Path(config.drafter).name} ({config.policy})"
-        systems[name] = drafted.sibling(drafted.drafter, build_policy(config.policy, sps=sps))
+        systems[name] = base.sibling(base.drafter, build_policy(config.policy, sps=sps))
     hf = None
     if include_hf:
         hf = (

@@ -36,16 +36,14 @@ class _SpsPolicy(ConfidencePolicy):
     def __init__(self, sps: SpsProfile | OnlineSps | SpsCurve, refine: bool = True) -> None:
         super().__init__()
         self.sps = as_sps_curve(sps, refine)
-        self.refine = refine
         self.overhead_s = 0.0
         forward_sps = table_lookup(self.sps)
         self._sps_fn = lambda b: 1.0 / (self.overhead_s + 1.0 / forward_sps(b))
 
     def observe_step(self, batch_tokens: int, seconds: float, overhead_s: float = 0.0) -> None:
-        if not self.refine:
+        if not isinstance(self.sps, OnlineSps):  # a fixed curve (refine=False) ignores timings
             return
-        if isinstance(self.sps, OnlineSps):
-            self.sps.observe(batch_tokens, seconds)
+        self.sps.observe(batch_tokens, seconds)
         if overhead_s >= 0:
             self.overhead_s += self.overhead_alpha * (overhead_s - self.overhead_s)
 
