@@ -211,3 +211,40 @@ def test_interface_misuse_is_reported(target):
         drafter.propose([request], sampling_for([request]))
     with pytest.raises(ValueError, match="already admitted"):
         drafter.admit(request)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_reduced_drafting_vocabulary_is_the_masked_full_distribution(variant, target, tmp_path):
+    """Restricting drafting to a vocabulary subset = the full head with every other logit at -inf,
+    and the restriction survives save / load."""
+    from dspark.drafters.checkpoint import save_draft_model
+    from dspark.drafters.dspark_model import restrict_draft_vocabulary
+
+    path = FIXTURE / f"draft_{variant}"
+    subset = torch.randperm(1024, generator=torch.Generator().manual_seed(3))[:300]
+    restricted = restrict_draft_vocabulary(load_draft_model(path), subset)
+    save_draft_model(restricted, tmp_path / "restricted", include_shared=True)
+    drafter = load_drafter(str(tmp_path / "restricted"), target.config)
+    assert torch.equal(drafter.model.draft_token_ids(), subset.sort().values)
+
+    full = load_draft_model(path)
+    allowed = torch.zeros(1024, dtype=torch.bool)
+    allowed[subset] = True
+    for temperature, seed in ((0.0, None), (0.8, 5)):
+        tokens = sequence(20, seed=9)
+        request = make_request("r", tokens, num_cached=19, temperature=temperature)
+        drafter_with_context(drafter, target, [request])
+        block = drafter.propose([request], sampling_for([request], [seed]))
+        drafter.release(request)
+        assert bool(allowed[block.tokens].all())
+        assert float(block.probs[..., ~allowed].abs().max()) == 0.0
+        with torch.no_grad():
+            hidden = full(target_features(target, tokens[:-1])[None], torch.tensor([tokens[-1]]))
+            logits, _ = full.teacher_forced(hidden, torch.tensor([tokens[-1]]), block.tokens)
+        masked = logits.masked_fill(~allowed, float("-inf"))
+        if temperature == 0:
+            assert torch.equal(block.tokens, masked.argmax(-1))
+        else:
+            torch.testing.assert_close(
+                block.probs, torch.softmax(masked / temperature, -1), atol=1e-5, rtol=1e-4
+            )

@@ -32,6 +32,7 @@ def test_train_exports_a_loadable_drafter_that_the_engine_runs(tmp_path, tiny_ta
     final = tmp_path / f"out-{kind}" / "final"
     raw = json.loads((final / "config.json").read_text())
     assert raw["target_layer_ids"] == [0, 2] and raw["block_size"] == 4
+    assert raw["draft_vocab_size"] == 48  # every kind drafts over the 48 most frequent response tokens
     log = [json.loads(line) for line in (tmp_path / f"out-{kind}" / "log.jsonl").read_text().splitlines()]
     assert [row["step"] for row in log] == [3, 6]
     assert all(torch.isfinite(torch.tensor(row["loss"])) for row in log)
@@ -40,7 +41,7 @@ def test_train_exports_a_loadable_drafter_that_the_engine_runs(tmp_path, tiny_ta
 
     with safe_open(final / "model.safetensors", framework="pt") as f:
         keys = set(f.keys())
-        assert "embed_tokens.weight" not in keys
+        assert "embed_tokens.weight" not in keys and "d2t" in keys
         assert all(f.get_tensor(k).dtype in (torch.bfloat16, torch.long, torch.bool) for k in keys)
     engine = LLMEngine.from_config(
         EngineConfig(

@@ -1,33 +1,74 @@
-"""Sampling a DSpark block left to right through the sequential head."""
+"""Sampling a DSpark block left to right through the sequential head, optionally over a reduced
+drafting vocabulary."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 
 from dspark.drafters.dspark_model import DSparkModel
 from dspark.engine.sampler import SamplingTensors, logits_to_probs, sample
 
 
+@dataclass
+class DraftVocab:
+    """The rows of the LM head (and of the Markov projection W2) that drafting samples from.
+
+    Drafts come from softmax over these ids only; the returned probabilities are that exact
+    distribution, zero elsewhere, so rejection sampling stays lossless while the drafter's
+    vocabulary-sized work shrinks by V / len(ids).
+    """
+
+    ids: torch.Tensor  # [Vd] target token ids, sorted
+    head: torch.Tensor  # [Vd, d]
+    markov: torch.Tensor | None  # [Vd, r]
+    vocab_size: int
+
+    @classmethod
+    def of(cls, model: DSparkModel) -> DraftVocab | None:
+        ids = model.draft_token_ids()
+        if ids is None:
+            return None
+        markov = model.markov_head.markov_w2.weight[ids] if model.markov_head is not None else None
+        return cls(ids, model.lm_head.weight[ids], markov, model.config.vocab_size)
+
+    def widen(self, probs: torch.Tensor) -> torch.Tensor:
+        """probs [..., Vd] -> [..., V] (zero outside the drafting vocabulary)."""
+        full = probs.new_zeros(*probs.shape[:-1], self.vocab_size)
+        return full.index_copy_(-1, self.ids, probs)
+
+
 def sample_block(
-    model: DSparkModel, hidden: torch.Tensor, anchor: torch.Tensor, sampling: SamplingTensors
+    model: DSparkModel,
+    hidden: torch.Tensor,
+    anchor: torch.Tensor,
+    sampling: SamplingTensors,
+    vocab: DraftVocab | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """hidden [R, G, d], anchor [R] -> tokens [R, G], probs [R, G, V] (each token's exact draft
     distribution, after the request's temperature / top-k / top-p), confidence logits [R, G] or None."""
-    base = model.lm_head(hidden)
+    head_weight = model.lm_head.weight if vocab is None else vocab.head
+    base = F.linear(hidden, head_weight)
     head, conf_head = model.markov_head, model.confidence_head
+
+    to_ids = (lambda index: index) if vocab is None else (lambda index: vocab.ids[index])
+    to_full = (lambda probs: probs) if vocab is None else vocab.widen
     if head is None:  # DFlash: positions are independent, sample them all at once
         probs = logits_to_probs(base, sampling)
         conf = conf_head(hidden, None) if conf_head is not None else None
-        return sample(probs, sampling.generators), probs, conf
+        return to_ids(sample(probs, sampling.generators)), to_full(probs), conf
+    markov_weight = head.markov_w2.weight if vocab is None else vocab.markov
     prev, state = anchor, head.initial_state(hidden[:, 0])
     tokens, probs, confs = [], [], []
     for k in range(hidden.shape[1]):
-        bias, emb, state = head.step(hidden[:, k], prev, state)
-        p = logits_to_probs(base[:, k] + bias, sampling)
-        prev = sample(p, sampling.generators)
+        z, emb, state = head.step(hidden[:, k], prev, state)
+        p = logits_to_probs(base[:, k] + F.linear(z, markov_weight), sampling)
+        prev = to_ids(sample(p, sampling.generators))
         tokens.append(prev)
         probs.append(p)
         if conf_head is not None:
             confs.append(conf_head(hidden[:, k], emb))
     conf = torch.stack(confs, 1) if confs else None
-    return torch.stack(tokens, 1), torch.stack(probs, 1), conf
+    return torch.stack(tokens, 1), to_full(torch.stack(probs, 1)), conf

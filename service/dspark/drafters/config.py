@@ -63,7 +63,7 @@ class DraftConfig(BaseModel):
     markov_rank: int = 0
     confidence_head: bool = False
     confidence_with_markov: bool = False
-    draft_vocab_size: int | None = None  # EAGLE-3 reduced vocabulary (d2t mapping)
+    draft_vocab_size: int | None = None  # reduced drafting vocabulary (`d2t` mapping)
     layers: Any  # transformers Qwen3Config: decoder layer hyper-parameters (heads, head_dim, rope, eps)
     raw: dict[str, Any]
 
@@ -114,6 +114,7 @@ class DraftConfig(BaseModel):
                 markov_rank=rank,
                 confidence_head=conf,
                 confidence_with_markov=conf_markov,
+                draft_vocab_size=raw.get("draft_vocab_size"),
                 **common,
             )
         if arch in EAGLE3_ARCHITECTURES:

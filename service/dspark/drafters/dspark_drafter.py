@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from dspark.drafters.base import DraftBlock, Drafter
-from dspark.drafters.block_sampling import sample_block
+from dspark.drafters.block_sampling import DraftVocab, sample_block
 from dspark.drafters.calibration import Calibration
 from dspark.drafters.context_store import ContextStore
 from dspark.drafters.dspark_model import DSparkModel
@@ -29,6 +29,7 @@ class DSparkDrafter(Drafter):
         self._feature_size = len(self.target_layers) * config.target_hidden_size
         weight = model.fc.weight
         self.device = weight.device
+        self.vocab = DraftVocab.of(model)
         self.store = ContextStore({"kv": model.kv_shape}, weight.device, weight.dtype)
         self._temperatures = None
         if calibration is not None:
@@ -63,7 +64,7 @@ class DSparkDrafter(Drafter):
         ctx_mask = torch.arange(max(lengths), device=self.device)[None, :] < ctx_len[:, None]
         anchor = torch.tensor([last_token(r) for r in requests], device=self.device)
         hidden = self.model.block_hidden(anchor, ctx_len, ctx_kv, ctx_mask)
-        tokens, probs, conf_logits = sample_block(self.model, hidden, anchor, sampling)
+        tokens, probs, conf_logits = sample_block(self.model, hidden, anchor, sampling, self.vocab)
         return DraftBlock(tokens, probs, self._confidences(conf_logits))
 
     def _confidences(self, logits: torch.Tensor | None) -> torch.Tensor | None:

@@ -72,6 +72,11 @@ class DSparkModel(nn.Module):
             self.confidence_head = ConfidenceHead(
                 d, config.markov_rank if config.confidence_with_markov else 0
             )
+        if config.draft_vocab_size and config.draft_vocab_size < vocab:
+            # Drafting samples from these rows of the head only (target id = index + d2t[index]).
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        else:
+            self.d2t = None
         self.rotary = RotaryEmbedding(lc)
         attn = self.layers[0].self_attn
         self.kv_shape = (len(self.layers), 2, attn.num_kv_heads, attn.head_dim)
@@ -80,6 +85,12 @@ class DSparkModel(nn.Module):
     def block_len(self) -> int:
         """Input tokens per block: DSpark's anchor predicts too; DFlash's anchor only conditions."""
         return self.config.gamma if self.config.anchor_predicts else self.config.gamma + 1
+
+    def draft_token_ids(self) -> torch.Tensor | None:
+        """Sorted target ids of the reduced drafting vocabulary; None drafts over the whole one."""
+        if self.d2t is None:
+            return None
+        return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
 
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Target features [..., N, m*hidden] at positions [..., N] -> per-layer K/V [..., N, L, 2, KVH, hd]."""
@@ -135,3 +146,18 @@ class DSparkModel(nn.Module):
             logits = logits + bias
         conf = self.confidence_head(hidden, emb) if self.confidence_head is not None else None
         return logits, conf
+
+
+def restrict_draft_vocabulary(model: DSparkModel, token_ids: torch.Tensor) -> DSparkModel:
+    """Make `model` draft over `token_ids` only (e.g. the most frequent response tokens), in place;
+    saved as `draft_vocab_size` + `d2t` like EAGLE-3's reduced vocabulary. Training is unaffected."""
+    ids = torch.unique(token_ids.long().cpu())  # sorted, distinct
+    if not 0 < ids.numel() <= model.config.vocab_size or int(ids[-1]) >= model.config.vocab_size:
+        raise ValueError(f"a drafting vocabulary needs 1..{model.config.vocab_size} ids below the vocab size")
+    device = model.fc.weight.device
+    if hasattr(model, "d2t"):
+        del model.d2t
+    model.register_buffer("d2t", (ids - torch.arange(ids.numel())).to(device))
+    raw = {**model.config.raw, "draft_vocab_size": ids.numel()}
+    model.config = model.config.model_copy(update={"draft_vocab_size": ids.numel(), "raw": raw})
+    return model

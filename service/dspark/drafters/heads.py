@@ -1,7 +1,8 @@
 """DSpark's sequential heads (the prefix-dependent bias B_k) and the confidence head.
 
 All heads share the Markov embedding W1 (`markov_w1`, V x r) of the previous block token
-x_{k-1} (the anchor for k = 1) and the projection W2 (`markov_w2`, r -> V):
+x_{k-1} (the anchor for k = 1) and the projection W2 (`markov_w2`, r -> V); a step returns the
+rank-r vector z_k with B_k = W2 z_k, so drafting can project onto a reduced vocabulary (rows of W2):
 - vanilla: B_k = W2 W1[x_{k-1}]
 - gated:   B_k = W2 (sigmoid(W_gate [h_k ; W1[x_{k-1}]]) * W1[x_{k-1}])
 - rnn:     z = [s_{k-1} ; W1[x_{k-1}] ; h_k]; g, c, o = W_joint z;
@@ -18,7 +19,7 @@ HEAD_TYPES = ("vanilla", "gated", "rnn")
 
 
 class SequentialHead(nn.Module):
-    """Step interface: `step(h_k, prev_token, state) -> (bias_k, markov_embedding, state)`."""
+    """Step interface: `step(h_k, prev_token, state) -> (z_k, markov_embedding, state)`, B_k = W2 z_k."""
 
     def __init__(self, hidden_size: int, vocab_size: int, rank: int) -> None:
         super().__init__()
@@ -38,18 +39,18 @@ class SequentialHead(nn.Module):
         """Biases [B, G, V] and Markov embeddings [B, G, r] for a whole block given its previous tokens
         prev [B, G] (anchor, x_1, ..., x_{G-1}); used for training and reference checks."""
         state = self.initial_state(h[:, 0])
-        biases, embs = [], []
+        zs, embs = [], []
         for k in range(h.shape[1]):
-            bias, emb, state = self.step(h[:, k], prev[:, k], state)
-            biases.append(bias)
+            z, emb, state = self.step(h[:, k], prev[:, k], state)
+            zs.append(z)
             embs.append(emb)
-        return torch.stack(biases, 1), torch.stack(embs, 1)
+        return self.markov_w2(torch.stack(zs, 1)), torch.stack(embs, 1)
 
 
 class MarkovHead(SequentialHead):
     def step(self, h, prev, state):
         emb = self.markov_w1(prev)
-        return self.markov_w2(emb), emb, None
+        return emb, emb, None
 
     def teacher_forced(self, h, prev):
         emb = self.markov_w1(prev)  # no recurrence: the whole block at once
@@ -64,7 +65,7 @@ class GatedMarkovHead(SequentialHead):
     def step(self, h, prev, state):
         emb = self.markov_w1(prev)
         gate = torch.sigmoid(self.gate_proj(torch.cat([h, emb], dim=-1)))
-        return self.markov_w2(gate * emb), emb, None
+        return gate * emb, emb, None
 
     def teacher_forced(self, h, prev):
         emb = self.markov_w1(prev)
@@ -85,7 +86,7 @@ class RNNHead(SequentialHead):
         gate, cand, out = self.joint_proj(torch.cat([state, emb, h], dim=-1)).chunk(3, dim=-1)
         keep = torch.sigmoid(gate)
         state = keep * state + (1 - keep) * torch.tanh(cand)
-        return self.markov_w2(torch.tanh(out)), emb, state
+        return torch.tanh(out), emb, state
 
 
 def make_sequential_head(kind: str, hidden_size: int, vocab_size: int, rank: int) -> SequentialHead:

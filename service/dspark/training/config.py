@@ -61,7 +61,9 @@ class DrafterSpec(_Strict):
     confidence_head: bool = True
     intermediate_size: int | None = None  # defaults to the target's
     draft_vocab_size: int | None = Field(
-        None, description="EAGLE-3 reduced vocabulary (most frequent tokens)."
+        None,
+        description="Reduced vocabulary of the most frequent response tokens: EAGLE-3 trains its head "
+        "on it; DSpark / DFlash train on the whole vocabulary and draft over this one (set at export).",
     )
     init_from_target_layers: tuple[int, ...] | None = Field(
         None, description="Copy these target decoder layers' weights into the draft layers where shapes fit."

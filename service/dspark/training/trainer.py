@@ -9,6 +9,7 @@ weights, loadable by `load_drafter`.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 from dspark.drafters.checkpoint import save_draft_model
-from dspark.drafters.dspark_model import DSparkModel
+from dspark.drafters.dspark_model import DSparkModel, restrict_draft_vocabulary
 from dspark.training.build import draft_vocabulary, drafter_raw_config, new_drafter
 from dspark.training.config import TrainConfig
 from dspark.training.features import Sequence
@@ -84,14 +85,11 @@ class Trainer:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         spec = cfg.drafter
         raw = drafter_raw_config(spec, target_config, cfg.target_layer_ids, mask_token_id)
+        self.vocab_size = raw["vocab_size"]
         state = self._load_state()
         draft_vocab = None
         if "draft_vocab_size" in raw:
-            if state is not None:
-                draft_vocab = state["draft_vocab"]
-            else:
-                counts = Counter(t for s in sequences for t in s.tokens[s.prompt_len :].tolist())
-                draft_vocab = draft_vocabulary(counts, raw["draft_vocab_size"], raw["vocab_size"])
+            draft_vocab = state["draft_vocab"] if state is not None else self.response_vocabulary()
         self.draft_vocab = draft_vocab
         embed, head = shared
         low = dtype if dtype != torch.float32 else torch.float32
@@ -123,19 +121,35 @@ class Trainer:
             self.elapsed = state.get("elapsed_s", 0.0)
             log.info("resuming %s at step %d", self.out_dir, self.step)
 
+    def response_vocabulary(self) -> torch.Tensor:
+        """The `draft_vocab_size` most frequent response tokens of the training data (sorted ids)."""
+        counts = Counter(t for s in self.sequences for t in s.tokens[s.prompt_len :].tolist())
+        return draft_vocabulary(counts, self.cfg.drafter.draft_vocab_size, self.vocab_size)
+
+    def _resume_key(self) -> dict:
+        """The config a checkpoint must match to be resumed: all but the step budget and, for
+        DSpark / DFlash, the drafting vocabulary (applied at export only)."""
+        exclude: dict = {"optim": {"max_steps"}}
+        if self.cfg.drafter.kind != "eagle3":
+            exclude["drafter"] = {"draft_vocab_size"}
+        return self.cfg.model_dump(mode="json", exclude=exclude)
+
     def _load_state(self) -> dict | None:
         path = self.out_dir / STATE_FILE
         if not path.is_file():
             return None
         state = torch.load(path, map_location="cpu", weights_only=False)
-        if state.get("config") != self.cfg.model_dump(mode="json", exclude={"optim": {"max_steps"}}):
+        written = state.get("config") or {}
+        if self.cfg.drafter.kind != "eagle3":  # checkpoints from before the export-only field
+            written.get("drafter", {}).pop("draft_vocab_size", None)
+        if written != self._resume_key():
             raise ValueError(f"{path} was written by a different training config; use another out_dir")
         return state
 
     def save_state(self) -> None:
         trainable = {k for k, p in self.model.named_parameters() if p.requires_grad}
         state = {
-            "config": self.cfg.model_dump(mode="json", exclude={"optim": {"max_steps"}}),
+            "config": self._resume_key(),
             "model": {
                 k: v for k, v in self.model.state_dict().items() if k in trainable or "d2t" in k or "t2d" in k
             },
@@ -220,6 +234,8 @@ class Trainer:
         """bf16 checkpoint without the shared weights: out_dir/final (or `out`)."""
         target = Path(out) if out is not None else self.out_dir / FINAL_DIR
         model = self.model.to(torch.bfloat16).eval()
+        if isinstance(model, DSparkModel) and self.cfg.drafter.draft_vocab_size:
+            model = restrict_draft_vocabulary(copy.deepcopy(model), self.response_vocabulary())
         save_draft_model(model, target)
         info = {
             "steps": self.step,
