@@ -3,41 +3,12 @@ drafting vocabulary."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
+from dspark.drafters.draft_vocab import DraftVocab
 from dspark.drafters.dspark_model import DSparkModel
 from dspark.engine.sampler import SamplingTensors, logits_to_probs, sample
-
-
-@dataclass
-class DraftVocab:
-    """The rows of the LM head (and of the Markov projection W2) that drafting samples from.
-
-    Drafts come from softmax over these ids only; the returned probabilities are that exact
-    distribution, zero elsewhere, so rejection sampling stays lossless while the drafter's
-    vocabulary-sized work shrinks by V / len(ids).
-    """
-
-    ids: torch.Tensor  # [Vd] target token ids, sorted
-    head: torch.Tensor  # [Vd, d]
-    markov: torch.Tensor | None  # [Vd, r]
-    vocab_size: int
-
-    @classmethod
-    def of(cls, model: DSparkModel) -> DraftVocab | None:
-        ids = model.draft_token_ids()
-        if ids is None:
-            return None
-        markov = model.markov_head.markov_w2.weight[ids] if model.markov_head is not None else None
-        return cls(ids, model.lm_head.weight[ids], markov, model.config.vocab_size)
-
-    def widen(self, probs: torch.Tensor) -> torch.Tensor:
-        """probs [..., Vd] -> [..., V] (zero outside the drafting vocabulary)."""
-        full = probs.new_zeros(*probs.shape[:-1], self.vocab_size)
-        return full.index_copy_(-1, self.ids, probs)
 
 
 def sample_block(

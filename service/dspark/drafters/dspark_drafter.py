@@ -7,9 +7,10 @@ from collections.abc import Sequence
 import torch
 
 from dspark.drafters.base import DraftBlock, Drafter
-from dspark.drafters.block_sampling import DraftVocab, sample_block
+from dspark.drafters.block_sampling import sample_block
 from dspark.drafters.calibration import Calibration
 from dspark.drafters.context_store import ContextStore
+from dspark.drafters.draft_vocab import DraftVocab
 from dspark.drafters.dspark_model import DSparkModel
 from dspark.drafters.feature_batch import check_in_sync, gather_commit, last_token
 from dspark.engine.request import Request

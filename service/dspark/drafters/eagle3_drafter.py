@@ -8,6 +8,7 @@ import torch
 
 from dspark.drafters.base import DraftBlock, Drafter
 from dspark.drafters.context_store import ContextStore
+from dspark.drafters.draft_vocab import widen
 from dspark.drafters.eagle3_model import Eagle3Model
 from dspark.drafters.feature_batch import check_in_sync, gather_commit
 from dspark.engine.request import Request
@@ -34,6 +35,7 @@ class Eagle3Drafter(Drafter):
             {"kv": model.kv_shape[1:], "hidden": (config.hidden_size,)}, weight.device, weight.dtype
         )
         self._processed: dict[str, int] = {}  # entries whose K/V in the store are final
+        self._draft_ids = model.draft_token_ids()
 
     def admit(self, request: Request) -> None:
         self.store.admit(request.request_id)
@@ -61,7 +63,7 @@ class Eagle3Drafter(Drafter):
         )
         step_k: list[torch.Tensor] = []
         step_v: list[torch.Tensor] = []
-        tokens, probs = [], []
+        tokens, probs, ids = [], [], self._draft_ids
         pos = torch.tensor(lengths, device=self.device) - 1  # query position of the hidden just produced
         for step in range(self.gamma):
             if step > 0:
@@ -74,10 +76,15 @@ class Eagle3Drafter(Drafter):
                 own = torch.ones(len(requests), step, dtype=torch.bool, device=self.device)
                 mask = torch.cat([ctx_mask, own], dim=1)[:, None, :]
                 hidden = self.model.entry_output(hidden[:, None], q, keys, values, mask)[:, 0]
-            p = logits_to_probs(self.model.logits(hidden), sampling)
-            tokens.append(sample(p, sampling.generators))
+            # Sampled over the head's own (possibly reduced) vocabulary, widened once at the end.
+            p = logits_to_probs(self.model.draft_logits(hidden), sampling)
+            index = sample(p, sampling.generators)
+            tokens.append(index if ids is None else ids[index])
             probs.append(p)
-        return DraftBlock(torch.stack(tokens, 1), torch.stack(probs, 1), None)
+        stacked = torch.stack(probs, 1)
+        if ids is not None:
+            stacked = widen(stacked, ids, self.model.config.vocab_size)
+        return DraftBlock(torch.stack(tokens, 1), stacked, None)
 
     def _process_pending(
         self, requests: Sequence[Request], rows: torch.Tensor, lengths: list[int]

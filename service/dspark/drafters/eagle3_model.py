@@ -89,14 +89,24 @@ class Eagle3Model(nn.Module):
         """Layer output (pre-norm, fed back as the next step's hidden) given all keys/values and the mask."""
         return self.midlayer.finish(hidden, self.midlayer.self_attn.attend(q, k, v, mask))
 
+    def draft_token_ids(self) -> torch.Tensor | None:
+        """Target ids of the head's rows (reduced vocabulary); None when the head is the whole one."""
+        if self.d2t is None:
+            return None
+        return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
+
+    def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Logits [..., Vd] over the head's own vocabulary (`draft_token_ids`)."""
+        return self.lm_head(self.norm(out))
+
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Target-vocabulary logits [..., V]; tokens outside a reduced draft vocabulary get -inf."""
-        draft = self.lm_head(self.norm(out))
-        if self.d2t is None:
+        draft = self.draft_logits(out)
+        ids = self.draft_token_ids()
+        if ids is None:
             return draft
-        target_ids = torch.arange(draft.shape[-1], device=draft.device) + self.d2t
         full = draft.new_full((*draft.shape[:-1], self.config.vocab_size), float("-inf"))
-        return full.index_copy_(-1, target_ids, draft)
+        return full.index_copy_(-1, ids, draft)
 
     def forward(self, features: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
         """Reference causal pass over a whole sequence: features [B, P, m*h] of tokens 0..P-1 and
