@@ -248,3 +248,14 @@ def test_reduced_drafting_vocabulary_is_the_masked_full_distribution(variant, ta
             torch.testing.assert_close(
                 block.probs, torch.softmax(masked / temperature, -1), atol=1e-5, rtol=1e-4
             )
+
+
+def test_horizon_drafts_the_same_first_positions(target):
+    drafter = load_drafter(str(FIXTURE / "draft_vanilla"), target.config)
+    requests = [make_request(f"r{i}", sequence(n + 1, seed=i), num_cached=n) for i, n in enumerate((9, 30))]
+    drafter_with_context(drafter, target, requests)
+    whole = drafter.propose(requests, sampling_for(requests))
+    short = drafter.propose(requests, sampling_for(requests), horizon=3)
+    assert short.tokens.shape == (2, 3) and short.probs.shape == (2, 3, 1024)
+    assert torch.equal(short.tokens, whole.tokens[:, :3])
+    torch.testing.assert_close(short.confidences, whole.confidences[:, :3])

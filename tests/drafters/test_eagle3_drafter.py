@@ -124,6 +124,10 @@ def test_greedy_equals_reference_and_batch_equals_alone(tmp_path, target, shared
             drafter.model, feats, request.all_token_ids, GAMMA
         )
     assert bool(((batch.probs[3] > 0).sum(-1) > 1).all())  # the sampled row has a real distribution
+    # A horizon stops the sequential steps early: the same first positions, nothing after.
+    short = drafter.propose(requests, sampling_for(requests, seeds), horizon=2)
+    assert short.tokens.shape == (4, 2)
+    assert torch.equal(short.tokens[:3], batch.tokens[:3, :2])
 
 
 def test_incremental_commits_equal_scratch(tmp_path, target, shared):

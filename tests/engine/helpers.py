@@ -28,7 +28,9 @@ class ScriptedDrafter(Drafter):
         self.vocab = vocab
         self.rng = torch.Generator().manual_seed(0)
 
-    def propose(self, requests: Sequence[Request], sampling: SamplingTensors) -> DraftBlock:
+    def propose(
+        self, requests: Sequence[Request], sampling: SamplingTensors, horizon: int | None = None
+    ) -> DraftBlock:
         rows = []
         for r in requests:
             ref = self.continuations.get(tuple(r.prompt_token_ids), [])
@@ -53,7 +55,9 @@ class DistributionDrafter(Drafter):
         self.logits = logits  # [gamma, V]
         self.gamma = logits.shape[0]
 
-    def propose(self, requests: Sequence[Request], sampling: SamplingTensors) -> DraftBlock:
+    def propose(
+        self, requests: Sequence[Request], sampling: SamplingTensors, horizon: int | None = None
+    ) -> DraftBlock:
         n = len(requests)
         probs = logits_to_probs(self.logits.expand(n, *self.logits.shape).contiguous(), sampling)
         return DraftBlock(sample(probs, sampling.generators), probs)

@@ -147,8 +147,8 @@ def test_nan_confidences_fall_back_to_a_fixed_policy_and_stay_lossless(tiny_dirs
     from dspark.profiling.synthetic import synthetic_profile
 
     class BrokenConfidences(NgramDrafter):
-        def propose(self, requests, sampling):
-            block = super().propose(requests, sampling)
+        def propose(self, requests, sampling, horizon=None):
+            block = super().propose(requests, sampling, horizon)
             return DraftBlock(
                 block.tokens, None, torch.full(block.tokens.shape, float("nan")), block.num_valid
             )
@@ -161,3 +161,25 @@ def test_nan_confidences_fall_back_to_a_fixed_policy_and_stay_lossless(tiny_dirs
         results = engine.generate(prompts(3), GREEDY)
     assert [r.token_ids for r in results] == expected
     assert engine.policy.fallbacks > 0 and "confidences" in caplog.text.lower()
+
+
+def test_the_engine_drafts_only_what_the_policy_can_verify(tiny_dirs):
+    """Policy none never runs the drafter; static:K asks for K positions; outputs are unchanged."""
+
+    class Counting(NgramDrafter):
+        def __init__(self, gamma):
+            super().__init__(gamma)
+            self.horizons = []
+
+        def propose(self, requests, sampling, horizon=None):
+            self.horizons.append(horizon)
+            return super().propose(requests, sampling, horizon)
+
+    reference = engine_on(tiny_dirs["llama"], NoDrafter(), "none")
+    expected = [r.token_ids for r in reference.generate(prompts(3), GREEDY)]
+    for policy, want in (("none", set()), ("static:2", {2}), ("full", {4})):
+        drafter = Counting(4)
+        engine = engine_on(tiny_dirs["llama"], drafter, policy)
+        assert [r.token_ids for r in engine.generate(prompts(3), GREEDY)] == expected
+        assert set(drafter.horizons) == want
+        assert bool(drafter.horizons) == (policy != "none")

@@ -55,8 +55,10 @@ class RecordingDrafter(Drafter):
     def commit(self, requests: Sequence[Request], features: Sequence[torch.Tensor | None]) -> None:
         self.inner.commit(requests, features)
 
-    def propose(self, requests: Sequence[Request], sampling: SamplingTensors) -> DraftBlock:
-        block = self.inner.propose(requests, sampling)
+    def propose(
+        self, requests: Sequence[Request], sampling: SamplingTensors, horizon: int | None = None
+    ) -> DraftBlock:
+        block = self.inner.propose(requests, sampling, horizon)
         self._pending.append(
             _Pending(
                 list(requests),

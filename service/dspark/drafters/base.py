@@ -45,5 +45,10 @@ class Drafter(ABC):
         """Features [n_r, len(target_layers) * hidden] of the tokens just cached for each request."""
 
     @abstractmethod
-    def propose(self, requests: Sequence[Request], sampling: SamplingTensors) -> DraftBlock:
-        """Draft `gamma` tokens after each request's last token (its anchor)."""
+    def propose(
+        self, requests: Sequence[Request], sampling: SamplingTensors, horizon: int | None = None
+    ) -> DraftBlock:
+        """Draft up to `gamma` tokens after each request's last token (its anchor).
+
+        `horizon` (<= gamma; None = gamma) is the most the engine will verify this step: a drafter
+        may stop there and return a block that many positions wide."""

@@ -57,14 +57,18 @@ class DSparkDrafter(Drafter):
             )
 
     @torch.inference_mode()
-    def propose(self, requests: Sequence[Request], sampling: SamplingTensors) -> DraftBlock:
+    def propose(
+        self, requests: Sequence[Request], sampling: SamplingTensors, horizon: int | None = None
+    ) -> DraftBlock:
         lengths = check_in_sync(self.store, requests)
         rows = torch.tensor(self.store.rows([r.request_id for r in requests]), device=self.device)
         ctx_len = torch.tensor(lengths, device=self.device)
         ctx_kv = self.store.read("kv", rows, max(lengths))
         ctx_mask = torch.arange(max(lengths), device=self.device)[None, :] < ctx_len[:, None]
         anchor = torch.tensor([last_token(r) for r in requests], device=self.device)
-        hidden = self.model.block_hidden(anchor, ctx_len, ctx_kv, ctx_mask)
+        # The block attends bidirectionally, so the backbone always runs whole; past the horizon
+        # only the vocabulary-sized heads are skipped.
+        hidden = self.model.block_hidden(anchor, ctx_len, ctx_kv, ctx_mask)[:, :horizon]
         tokens, probs, conf_logits = sample_block(self.model, hidden, anchor, sampling, self.vocab)
         return DraftBlock(tokens, probs, self._confidences(conf_logits))
 
@@ -73,5 +77,5 @@ class DSparkDrafter(Drafter):
             return None
         logits = logits.float()
         if self._temperatures is not None:
-            logits = logits / self._temperatures
+            logits = logits / self._temperatures[: logits.shape[1]]
         return torch.sigmoid(logits)

@@ -52,7 +52,9 @@ class Eagle3Drafter(Drafter):
             self.store.write("hidden", chunk.rows, chunk.positions, self.model.fuse(chunk.features))
 
     @torch.inference_mode()
-    def propose(self, requests: Sequence[Request], sampling: SamplingTensors) -> DraftBlock:
+    def propose(
+        self, requests: Sequence[Request], sampling: SamplingTensors, horizon: int | None = None
+    ) -> DraftBlock:
         lengths = check_in_sync(self.store, requests)
         ids = [r.request_id for r in requests]
         rows = torch.tensor(self.store.rows(ids), device=self.device)
@@ -65,7 +67,7 @@ class Eagle3Drafter(Drafter):
         step_v: list[torch.Tensor] = []
         tokens, probs, ids = [], [], self._draft_ids
         pos = torch.tensor(lengths, device=self.device) - 1  # query position of the hidden just produced
-        for step in range(self.gamma):
+        for step in range(self.gamma if horizon is None else min(horizon, self.gamma)):
             if step > 0:
                 pos = pos + 1
                 q, k, v = self.model.entry_qkv(tokens[-1][:, None], hidden[:, None], pos[:, None])

@@ -34,7 +34,9 @@ class NgramDrafter(Drafter):
         self.max_ngram = max_ngram
         self.device = torch.device(device)
 
-    def propose(self, requests: Sequence[Request], sampling: SamplingTensors) -> DraftBlock:
+    def propose(
+        self, requests: Sequence[Request], sampling: SamplingTensors, horizon: int | None = None
+    ) -> DraftBlock:
         tokens = np.zeros((len(requests), self.gamma), dtype=np.int64)
         valid = np.zeros(len(requests), dtype=np.int64)
         for i, request in enumerate(requests):
@@ -55,5 +57,7 @@ class NoDrafter(Drafter):
     name = "none"
     gamma = 0
 
-    def propose(self, requests: Sequence[Request], sampling: SamplingTensors) -> DraftBlock:
+    def propose(
+        self, requests: Sequence[Request], sampling: SamplingTensors, horizon: int | None = None
+    ) -> DraftBlock:
         return DraftBlock(tokens=torch.zeros((len(requests), 0), dtype=torch.int64), probs=None)

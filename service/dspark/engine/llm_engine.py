@@ -196,21 +196,24 @@ class LLMEngine:
 
     def _draft(self, decodes: list[Request]) -> Draft:
         t0 = time.perf_counter()
-        if not decodes or self.drafter.gamma == 0:
+        horizon = self.policy.max_length(self.drafter.gamma)  # 0: nothing to draft (policy none)
+        if not decodes or horizon == 0:
             empty = torch.zeros((len(decodes), 0), dtype=torch.int64, device=self.device)
             return Draft(DraftBlock(empty, None), [0] * len(decodes))
-        block = self.drafter.propose(decodes, self._sampling(decodes))
+        block = self.drafter.propose(decodes, self._sampling(decodes), horizon)
         t1 = time.perf_counter()
+        width = min(horizon, block.tokens.shape[1])
+        confidences = block.confidences[:, :width] if block.confidences is not None else None
         fallbacks = getattr(self.policy, "fallbacks", 0)
-        lengths = self.policy.schedule(block.confidences, self.drafter.gamma, len(decodes))
+        lengths = self.policy.schedule(confidences, width, len(decodes))
         self._stats.policy_fallback = getattr(self.policy, "fallbacks", 0) > fallbacks
         limit = [r.remaining_tokens - 1 for r in decodes]  # the bonus token must fit in max_tokens
         lengths = lengths.cpu()
         if block.num_valid is not None:
             lengths = torch.minimum(lengths, block.num_valid.cpu())
         lengths = torch.minimum(lengths, torch.tensor(limit)).clamp_min(0)
-        if block.confidences is not None:  # what the confidence head expects to be accepted
-            survival = block.confidences.float().cpu().cumprod(dim=1)
+        if confidences is not None:  # what the confidence head expects to be accepted
+            survival = confidences.float().cpu().cumprod(dim=1)
             verified = torch.arange(survival.shape[1])[None, :] < lengths[:, None]
             self._stats.predicted_accepted_tokens = float(survival[verified].sum())
         lengths = lengths.tolist()

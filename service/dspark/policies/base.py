@@ -16,6 +16,11 @@ class VerifyPolicy(ABC):
     def schedule(self, confidences: torch.Tensor | None, gamma: int, num_requests: int) -> torch.Tensor:
         """Return verify lengths [R] int64; `confidences` is [R, gamma] or None."""
 
+    def max_length(self, gamma: int) -> int:
+        """The longest verify length this policy can choose with a block of `gamma`: the engine
+        drafts no further (and not at all when it is 0)."""
+        return gamma
+
     def observe_step(  # noqa: B027 - optional hook
         self, batch_tokens: int, seconds: float, overhead_s: float = 0.0
     ) -> None:

@@ -16,6 +16,8 @@ class StaticPolicy(VerifyPolicy):
         self.length = length
         self.name = "full" if length is None else ("none" if length == 0 else f"static:{length}")
 
+    def max_length(self, gamma: int) -> int:
+        return gamma if self.length is None else min(self.length, gamma)
+
     def schedule(self, confidences: torch.Tensor | None, gamma: int, num_requests: int) -> torch.Tensor:
-        k = gamma if self.length is None else min(self.length, gamma)
-        return torch.full((num_requests,), k, dtype=torch.int64)
+        return torch.full((num_requests,), self.max_length(gamma), dtype=torch.int64)
