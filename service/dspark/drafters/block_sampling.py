@@ -21,6 +21,9 @@ def sample_block(
     """hidden [R, G, d], anchor [R] -> tokens [R, G], probs [R, G, V] (each token's exact draft
     distribution, after the request's temperature / top-k / top-p), confidence logits [R, G] or None."""
     head_weight = model.lm_head.weight if vocab is None else vocab.head
+    # A strided [R, G, d] view (a horizon cut, DFlash's mask positions) sends F.linear to a bmm
+    # over a broadcast copy of the head; one contiguous copy of hidden is ~1000x smaller.
+    hidden = hidden.contiguous()
     base = F.linear(hidden, head_weight)
     head, conf_head = model.markov_head, model.confidence_head
 
