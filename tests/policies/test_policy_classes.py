@@ -149,3 +149,15 @@ def test_async_capacity_shrinks_when_many_requests_join() -> None:
     crowd = confidences(1, rows=target_batch + 5)
     # More requests than the batch size chosen two steps back: no draft tokens this step.
     assert policy.schedule(crowd, 6, crowd.shape[0]).sum() == 0
+
+
+@pytest.mark.parametrize("make", [DSparkPolicy, DSparkAsyncPolicy])
+def test_draft_horizon_is_one_past_the_previous_longest_length(make) -> None:
+    policy = make(PROFILE, refine=False)
+    assert policy.max_length(6) == 6  # nothing scheduled yet: the whole block
+    low = torch.full((16, 6), 0.02, dtype=torch.float64)  # nothing worth verifying
+    assert int(policy.schedule(low, 6, 16).max()) == 0
+    assert policy.max_length(6) == 1
+    high = torch.full((16, 1), 0.99, dtype=torch.float64)
+    longest = int(policy.schedule(high, 1, 16).max())
+    assert longest == 1 and policy.max_length(6) == 2  # grows by one per step

@@ -39,6 +39,19 @@ class _SpsPolicy(ConfidencePolicy):
         self.overhead_s = 0.0
         forward_sps = table_lookup(self.sps)
         self._sps_fn = lambda b: 1.0 / (self.overhead_s + 1.0 / forward_sps(b))
+        self._longest: int | None = None  # longest verify length of the previous step
+
+    def max_length(self, gamma: int) -> int:
+        """One position past the previous step's longest verify length (all of gamma at first):
+        drafting what the scheduler will not verify only costs time. It depends on earlier steps
+        only, so every schedule stays lossless; the horizon can grow by one per step."""
+        return gamma if self._longest is None else min(gamma, self._longest + 1)
+
+    def schedule(self, confidences: torch.Tensor | None, gamma: int, num_requests: int) -> torch.Tensor:
+        lengths = super().schedule(confidences, gamma, num_requests)
+        if num_requests:
+            self._longest = int(lengths.max())
+        return lengths
 
     def observe_step(self, batch_tokens: int, seconds: float, overhead_s: float = 0.0) -> None:
         if not isinstance(self.sps, OnlineSps):  # a fixed curve (refine=False) ignores timings
