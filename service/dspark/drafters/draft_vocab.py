@@ -16,6 +16,13 @@ if TYPE_CHECKING:
     from dspark.drafters.dspark_model import DSparkModel
 
 
+def token_ids(d2t: torch.Tensor | None) -> torch.Tensor | None:
+    """Target ids of a reduced vocabulary stored as offsets (id = index + d2t[index]); None = all."""
+    if d2t is None:
+        return None
+    return torch.arange(d2t.shape[0], device=d2t.device) + d2t
+
+
 def widen(probs: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """probs [..., Vd] over `ids` -> [..., vocab_size], zero outside `ids`."""
     full = probs.new_zeros(*probs.shape[:-1], vocab_size)

@@ -14,6 +14,7 @@ from torch import nn
 
 from dspark.drafters.config import DraftConfig
 from dspark.drafters.draft_attention import DraftAttention
+from dspark.drafters.draft_vocab import token_ids
 from dspark.drafters.heads import ConfidenceHead, SequentialHead, make_sequential_head
 from dspark.drafters.layers import Qwen3RMSNorm, RotaryEmbedding, make_mlp
 
@@ -88,9 +89,7 @@ class DSparkModel(nn.Module):
 
     def draft_token_ids(self) -> torch.Tensor | None:
         """Sorted target ids of the reduced drafting vocabulary; None drafts over the whole one."""
-        if self.d2t is None:
-            return None
-        return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
+        return token_ids(self.d2t)
 
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Target features [..., N, m*hidden] at positions [..., N] -> per-layer K/V [..., N, L, 2, KVH, hd]."""

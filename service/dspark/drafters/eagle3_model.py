@@ -20,6 +20,7 @@ from torch import nn
 
 from dspark.drafters.config import DraftConfig
 from dspark.drafters.draft_attention import DraftAttention
+from dspark.drafters.draft_vocab import token_ids
 from dspark.drafters.layers import Qwen3RMSNorm, RotaryEmbedding, make_mlp
 
 NO_QK_NORM_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
@@ -91,9 +92,7 @@ class Eagle3Model(nn.Module):
 
     def draft_token_ids(self) -> torch.Tensor | None:
         """Target ids of the head's rows (reduced vocabulary); None when the head is the whole one."""
-        if self.d2t is None:
-            return None
-        return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
+        return token_ids(self.d2t)
 
     def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
         """Logits [..., Vd] over the head's own vocabulary (`draft_token_ids`)."""
