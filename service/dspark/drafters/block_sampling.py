@@ -16,33 +16,28 @@ def sample_block(
     hidden: torch.Tensor,
     anchor: torch.Tensor,
     sampling: SamplingTensors,
-    vocab: DraftVocab | None = None,
+    vocab: DraftVocab,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """hidden [R, G, d], anchor [R] -> tokens [R, G], probs [R, G, V] (each token's exact draft
     distribution, after the request's temperature / top-k / top-p), confidence logits [R, G] or None."""
-    head_weight = model.lm_head.weight if vocab is None else vocab.head
     # A strided [R, G, d] view (a horizon cut, DFlash's mask positions) sends F.linear to a bmm
     # over a broadcast copy of the head; one contiguous copy of hidden is ~1000x smaller.
     hidden = hidden.contiguous()
-    base = F.linear(hidden, head_weight)
+    base = F.linear(hidden, vocab.head)
     head, conf_head = model.markov_head, model.confidence_head
-
-    to_ids = (lambda index: index) if vocab is None else (lambda index: vocab.ids[index])
-    to_full = (lambda probs: probs) if vocab is None else vocab.widen
     if head is None:  # DFlash: positions are independent, sample them all at once
         probs = logits_to_probs(base, sampling)
         conf = conf_head(hidden, None) if conf_head is not None else None
-        return to_ids(sample(probs, sampling.generators)), to_full(probs), conf
-    markov_weight = head.markov_w2.weight if vocab is None else vocab.markov
+        return vocab.to_target(sample(probs, sampling.generators)), vocab.widen(probs), conf
     prev, state = anchor, head.initial_state(hidden[:, 0])
     tokens, probs, confs = [], [], []
     for k in range(hidden.shape[1]):
         z, emb, state = head.step(hidden[:, k], prev, state)
-        p = logits_to_probs(base[:, k] + F.linear(z, markov_weight), sampling)
-        prev = to_ids(sample(p, sampling.generators))
+        p = logits_to_probs(base[:, k] + F.linear(z, vocab.markov), sampling)
+        prev = vocab.to_target(sample(p, sampling.generators))
         tokens.append(prev)
         probs.append(p)
         if conf_head is not None:
             confs.append(conf_head(hidden[:, k], emb))
     conf = torch.stack(confs, 1) if confs else None
-    return torch.stack(tokens, 1), to_full(torch.stack(probs, 1)), conf
+    return torch.stack(tokens, 1), vocab.widen(torch.stack(probs, 1)), conf

@@ -23,28 +23,32 @@ def token_ids(d2t: torch.Tensor | None) -> torch.Tensor | None:
     return torch.arange(d2t.shape[0], device=d2t.device) + d2t
 
 
-def widen(probs: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """probs [..., Vd] over `ids` -> [..., vocab_size], zero outside `ids`."""
-    full = probs.new_zeros(*probs.shape[:-1], vocab_size)
-    return full.index_copy_(-1, ids, probs)
-
-
 @dataclass
 class DraftVocab:
-    """A DSpark drafter's restricted rows of the LM head and of the Markov projection W2."""
+    """What a drafter samples over: its head's rows and their target ids (None = the whole
+    vocabulary, where row i is token i and both mappings are the identity)."""
 
-    ids: torch.Tensor  # [Vd] target token ids, sorted
-    head: torch.Tensor  # [Vd, d]
-    markov: torch.Tensor | None  # [Vd, r]
+    ids: torch.Tensor | None  # [Vd] target token ids, sorted
+    head: torch.Tensor  # [Vd, d] LM head rows
+    markov: torch.Tensor | None  # [Vd, r] rows of DSpark's Markov projection W2
     vocab_size: int
 
     @classmethod
-    def of(cls, model: DSparkModel) -> DraftVocab | None:
+    def of(cls, model: DSparkModel) -> DraftVocab:
+        """The rows of the target-shared head (and W2) that a DSpark / DFlash model drafts over."""
         ids = model.draft_token_ids()
+        w2 = model.markov_head.markov_w2.weight if model.markov_head is not None else None
         if ids is None:
-            return None
-        markov = model.markov_head.markov_w2.weight[ids] if model.markov_head is not None else None
-        return cls(ids, model.lm_head.weight[ids], markov, model.config.vocab_size)
+            return cls(None, model.lm_head.weight, w2, model.config.vocab_size)
+        return cls(ids, model.lm_head.weight[ids], None if w2 is None else w2[ids], model.config.vocab_size)
+
+    def to_target(self, index: torch.Tensor) -> torch.Tensor:
+        """Row indices -> target token ids."""
+        return index if self.ids is None else self.ids[index]
 
     def widen(self, probs: torch.Tensor) -> torch.Tensor:
-        return widen(probs, self.ids, self.vocab_size)
+        """probs [..., Vd] over the rows -> [..., V], zero outside the drafting vocabulary."""
+        if self.ids is None:
+            return probs
+        full = probs.new_zeros(*probs.shape[:-1], self.vocab_size)
+        return full.index_copy_(-1, self.ids, probs)

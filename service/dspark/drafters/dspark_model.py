@@ -154,8 +154,7 @@ def restrict_draft_vocabulary(model: DSparkModel, token_ids: torch.Tensor) -> DS
     if not 0 < ids.numel() <= model.config.vocab_size or int(ids[-1]) >= model.config.vocab_size:
         raise ValueError(f"a drafting vocabulary needs 1..{model.config.vocab_size} ids below the vocab size")
     device = model.fc.weight.device
-    if hasattr(model, "d2t"):
-        del model.d2t
+    del model.d2t  # the None attribute or an earlier vocabulary's buffer
     model.register_buffer("d2t", (ids - torch.arange(ids.numel())).to(device))
     raw = {**model.config.raw, "draft_vocab_size": ids.numel()}
     model.config = model.config.model_copy(update={"draft_vocab_size": ids.numel(), "raw": raw})

@@ -8,7 +8,7 @@ import torch
 
 from dspark.drafters.base import DraftBlock, Drafter
 from dspark.drafters.context_store import ContextStore
-from dspark.drafters.draft_vocab import widen
+from dspark.drafters.draft_vocab import DraftVocab
 from dspark.drafters.eagle3_model import Eagle3Model
 from dspark.drafters.feature_batch import check_in_sync, gather_commit
 from dspark.engine.request import Request
@@ -35,7 +35,8 @@ class Eagle3Drafter(Drafter):
             {"kv": model.kv_shape[1:], "hidden": (config.hidden_size,)}, weight.device, weight.dtype
         )
         self._processed: dict[str, int] = {}  # entries whose K/V in the store are final
-        self._draft_ids = model.draft_token_ids()
+        # The head's own rows (a reduced vocabulary when the checkpoint has one).
+        self.vocab = DraftVocab(model.draft_token_ids(), model.lm_head.weight, None, config.vocab_size)
 
     def admit(self, request: Request) -> None:
         self.store.admit(request.request_id)
@@ -65,7 +66,7 @@ class Eagle3Drafter(Drafter):
         )
         step_k: list[torch.Tensor] = []
         step_v: list[torch.Tensor] = []
-        tokens, probs, ids = [], [], self._draft_ids
+        tokens, probs = [], []
         pos = torch.tensor(lengths, device=self.device) - 1  # query position of the hidden just produced
         for step in range(self.gamma if horizon is None else min(horizon, self.gamma)):
             if step > 0:
@@ -78,15 +79,11 @@ class Eagle3Drafter(Drafter):
                 own = torch.ones(len(requests), step, dtype=torch.bool, device=self.device)
                 mask = torch.cat([ctx_mask, own], dim=1)[:, None, :]
                 hidden = self.model.entry_output(hidden[:, None], q, keys, values, mask)[:, 0]
-            # Sampled over the head's own (possibly reduced) vocabulary, widened once at the end.
+            # Sampled over the head's own rows, widened to the target vocabulary once at the end.
             p = logits_to_probs(self.model.draft_logits(hidden), sampling)
-            index = sample(p, sampling.generators)
-            tokens.append(index if ids is None else ids[index])
+            tokens.append(self.vocab.to_target(sample(p, sampling.generators)))
             probs.append(p)
-        stacked = torch.stack(probs, 1)
-        if ids is not None:
-            stacked = widen(stacked, ids, self.model.config.vocab_size)
-        return DraftBlock(torch.stack(tokens, 1), stacked, None)
+        return DraftBlock(torch.stack(tokens, 1), self.vocab.widen(torch.stack(probs, 1)), None)
 
     def _process_pending(
         self, requests: Sequence[Request], rows: torch.Tensor, lengths: list[int]

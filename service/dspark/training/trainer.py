@@ -126,30 +126,29 @@ class Trainer:
         counts = Counter(t for s in self.sequences for t in s.tokens[s.prompt_len :].tolist())
         return draft_vocabulary(counts, self.cfg.drafter.draft_vocab_size, self.vocab_size)
 
-    def _resume_key(self) -> dict:
-        """The config a checkpoint must match to be resumed: all but the step budget and, for
-        DSpark / DFlash, the drafting vocabulary (applied at export only)."""
-        exclude: dict = {"optim": {"max_steps"}}
+    def _resume_key(self, config: dict) -> dict:
+        """What a checkpoint's config must share with this one to be resumed: all but the step
+        budget and, for DSpark / DFlash, the drafting vocabulary (applied at export only)."""
+        key = copy.deepcopy(config)
+        key.get("optim", {}).pop("max_steps", None)
         if self.cfg.drafter.kind != "eagle3":
-            exclude["drafter"] = {"draft_vocab_size"}
-        return self.cfg.model_dump(mode="json", exclude=exclude)
+            key.get("drafter", {}).pop("draft_vocab_size", None)
+        return key
 
     def _load_state(self) -> dict | None:
         path = self.out_dir / STATE_FILE
         if not path.is_file():
             return None
         state = torch.load(path, map_location="cpu", weights_only=False)
-        written = state.get("config") or {}
-        if self.cfg.drafter.kind != "eagle3":  # checkpoints from before the export-only field
-            written.get("drafter", {}).pop("draft_vocab_size", None)
-        if written != self._resume_key():
+        current = self._resume_key(self.cfg.model_dump(mode="json"))
+        if self._resume_key(state.get("config") or {}) != current:
             raise ValueError(f"{path} was written by a different training config; use another out_dir")
         return state
 
     def save_state(self) -> None:
         trainable = {k for k, p in self.model.named_parameters() if p.requires_grad}
         state = {
-            "config": self._resume_key(),
+            "config": self.cfg.model_dump(mode="json"),
             "model": {
                 k: v for k, v in self.model.state_dict().items() if k in trainable or "d2t" in k or "t2d" in k
             },
