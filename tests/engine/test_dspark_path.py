@@ -52,3 +52,19 @@ def test_dspark_drafter_samples_with_seeds(engines):
     first = engine.generate(prompts[:2], params)
     assert all(len(r.token_ids) > 0 for r in first)
     assert sum(r.stats.draft_tokens for r in first) > 0
+
+
+@pytest.mark.parametrize("policy", ["dspark", "dspark-async"])
+def test_steps_the_gate_skips_keep_greedy_output(engines, policy):
+    """Drafting that looks too slow to pay is skipped on most steps; outputs stay identical."""
+    plain, drafter, prompts = engines
+    expected = [r.token_ids for r in plain.generate(prompts, GREEDY)]
+    verify_policy = build_policy(policy, sps=synthetic_profile(max_batch_tokens=512))
+    verify_policy.gate.explore_every = 2  # mix drafted and skipped steps
+    for r in range(1, 9):
+        verify_policy.gate.cost.observe(r, 100.0)
+    engine = plain.sibling(drafter, verify_policy)
+    results = engine.generate(prompts, GREEDY)
+    assert [r.token_ids for r in results] == expected
+    assert verify_policy.gate.skipped_steps > 0
+    assert sum(r.stats.draft_tokens for r in results) > 0  # the exploring steps drafted

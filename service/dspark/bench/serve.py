@@ -28,6 +28,7 @@ class LoadPoint:
     mean_verify_budget: float  # l_r averaged over decoding requests and steps
     mean_tau: float
     scheduler_share: float  # scheduler time / step time
+    drafted_share: float  # share of decode steps that ran the drafter
     extra: dict = field(default_factory=dict)
 
 
@@ -36,6 +37,7 @@ def run_closed_loop(
 ) -> LoadPoint:
     """Keep `concurrency` requests in flight until `requests` have finished."""
     finished, budgets, sched, steps = [], [], 0.0, 0.0
+    decode_steps = drafted_steps = 0
     issued = 0
 
     tracked = {}
@@ -53,6 +55,8 @@ def run_closed_loop(
         outputs = engine.step()
         stats = engine.last_step_stats
         budgets.extend(stats.verify_budgets)
+        decode_steps += bool(stats.verify_budgets)
+        drafted_steps += stats.drafted
         sched += stats.schedule_time_s
         steps += stats.step_time_s
         for out in outputs:
@@ -85,6 +89,7 @@ def run_closed_loop(
         mean_verify_budget=statistics.fmean(budgets) if budgets else 0.0,
         mean_tau=statistics.fmean(taus) if taus else 0.0,
         scheduler_share=sched / steps if steps else 0.0,
+        drafted_share=drafted_steps / decode_steps if decode_steps else 0.0,
     )
 
 

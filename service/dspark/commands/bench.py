@@ -62,7 +62,7 @@ def decode(engine_config, domains, num_prompts, max_tokens, lookup, no_hf, outpu
 
 @bench.command("serve")
 @engine_options
-@click.option("--policies", default="static:1,static:3,full,dspark,dspark-async", show_default=True)
+@click.option("--policies", default="none,static:1,static:3,full,dspark,dspark-async", show_default=True)
 @click.option("--concurrency", default="1,2,4,8,16,32,64", show_default=True, help="Comma-separated levels.")
 @click.option(
     "--requests",
@@ -104,7 +104,8 @@ def serve_bench(
     def show(p) -> None:
         click.echo(
             f"{p.policy:14s} C={p.concurrency:3d}  {p.aggregate_tokens_per_s:7.1f} tok/s  per-user p50 "
-            f"{p.per_user_p50:6.1f}  TTFT p50 {p.ttft_p50_s:.2f}s  budget {p.mean_verify_budget:.2f}  tau {p.mean_tau:.2f}"
+            f"{p.per_user_p50:6.1f}  TTFT p50 {p.ttft_p50_s:.2f}s  budget {p.mean_verify_budget:.2f}  tau {p.mean_tau:.2f}  "
+            f"drafted {p.drafted_share:.0%}"
         )
 
     points = run_serve_bench(base, names, levels, prompts, params, requests_per_level, sps=sps, progress=show)

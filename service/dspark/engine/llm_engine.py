@@ -196,7 +196,7 @@ class LLMEngine:
 
     def _draft(self, decodes: list[Request]) -> Draft:
         t0 = time.perf_counter()
-        horizon = self.policy.max_length(self.drafter.gamma)  # 0: nothing to draft (policy none)
+        horizon = self.policy.max_length(self.drafter.gamma, len(decodes))  # 0: do not draft this step
         if not decodes or horizon == 0:
             empty = torch.zeros((len(decodes), 0), dtype=torch.int64, device=self.device)
             return Draft(DraftBlock(empty, None), [0] * len(decodes))
@@ -217,7 +217,7 @@ class LLMEngine:
             verified = torch.arange(survival.shape[1])[None, :] < lengths[:, None]
             self._stats.predicted_accepted_tokens = float(survival[verified].sum())
         lengths = lengths.tolist()
-        self._stats.draft_time_s = t1 - t0
+        self._stats.drafted, self._stats.draft_time_s = True, t1 - t0
         self._stats.schedule_time_s = time.perf_counter() - t1
         return Draft(block, lengths)
 
@@ -347,7 +347,13 @@ class LLMEngine:
         stats.verify_budgets = list(draft.lengths)
         stats.forward_time_s, stats.step_time_s = forward_time, step_time
         if not plan.prefills:  # mixed prefill steps would skew the verification-time estimate
-            self.policy.observe_step(stats.verify_batch_tokens, forward_time, step_time - forward_time)
+            self.policy.observe_step(
+                stats.verify_batch_tokens,
+                forward_time,
+                step_time - forward_time - stats.draft_time_s,
+                draft_s=stats.draft_time_s,
+                num_drafted=len(plan.decodes) if stats.drafted else 0,
+            )
         self.last_step_stats = stats
 
     # ---- offline use ----------------------------------------------------------------------

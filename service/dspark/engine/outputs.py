@@ -59,6 +59,7 @@ class StepStats:
     verify_budgets: list[int] = field(default_factory=list)  # l_r per decoding request
     predicted_accepted_tokens: float | None = None  # sum of survival a_{r,j} over verified positions
     policy_fallback: bool = False  # unusable confidences: the policy fell back to a fixed length
+    drafted: bool = False  # the drafter ran this step
     draft_time_s: float = 0.0
     schedule_time_s: float = 0.0
     forward_time_s: float = 0.0

@@ -7,6 +7,7 @@ from collections import deque
 import torch
 
 from dspark.policies.confidence import ConfidencePolicy
+from dspark.policies.drafting_gate import DraftingGate
 from dspark.policies.prefix_scheduler import schedule_global_argmax, schedule_prefix_greedy, topk_survival
 from dspark.profiling.online import OnlineSps
 from dspark.profiling.sps_profile import SpsCurve, SpsProfile, table_lookup
@@ -22,13 +23,15 @@ def as_sps_curve(sps: SpsProfile | OnlineSps | SpsCurve, refine: bool = True) ->
 
 
 class _SpsPolicy(ConfidencePolicy):
-    """Schedules against the rate of whole engine steps: 1 / (overhead + 1 / SPS(B)).
+    """Schedules against the rate of whole engine steps: 1 / (other + draft(R) + 1 / SPS(B)).
 
-    The profile times the verification forward alone, but every step also drafts and accepts, a
-    cost that does not depend on the verify lengths chosen; leaving it out overstates the relative
-    cost of extra verification (on the CPU with the SmolLM2 DSpark drafter, drafting takes about as
-    long as the forward). The overhead is an EWMA of observed (step - forward) times, from earlier
-    steps only, so schedules stay lossless.
+    The profile times the verification forward alone, but every step that drafts also pays for
+    drafting and for acceptance, costs that do not depend on the verify lengths chosen; leaving
+    them out overstates the relative cost of extra verification (on the CPU with the SmolLM2
+    DSpark drafter, drafting takes about as long as the forward). `other_s` is an EWMA of
+    observed (step - forward - drafting) times and draft(R) the `DraftingGate`'s measured
+    drafting time for R requests, both from earlier steps only, so schedules stay lossless.
+    The same figures let the gate skip drafting on steps that are faster without it.
     """
 
     overhead_alpha = 0.1
@@ -36,29 +39,52 @@ class _SpsPolicy(ConfidencePolicy):
     def __init__(self, sps: SpsProfile | OnlineSps | SpsCurve, refine: bool = True) -> None:
         super().__init__()
         self.sps = as_sps_curve(sps, refine)
-        self.overhead_s = 0.0
-        forward_sps = table_lookup(self.sps)
-        self._sps_fn = lambda b: 1.0 / (self.overhead_s + 1.0 / forward_sps(b))
-        self._longest: int | None = None  # longest verify length of the previous step
+        self.other_s = 0.0
+        self.gate = DraftingGate()
+        self._forward_sps = table_lookup(self.sps)
+        self._sps_fn = self._step_rate(0.0)
+        self._longest: int | None = None  # longest verify length of the previous drafted step
 
-    def max_length(self, gamma: int) -> int:
-        """One position past the previous step's longest verify length (all of gamma at first):
-        drafting what the scheduler will not verify only costs time. It depends on earlier steps
-        only, so every schedule stays lossless; the horizon can grow by one per step."""
+    def _step_rate(self, draft_s: float):
+        fixed_s = self.other_s + draft_s
+        return lambda b: 1.0 / (fixed_s + 1.0 / self._forward_sps(b))
+
+    def max_length(self, gamma: int, num_requests: int = 1) -> int:
+        """0 when the gate finds this step faster without drafting; else one position past the
+        previous step's longest verify length (all of gamma at first): drafting what the
+        scheduler will not verify only costs time. Both depend on earlier steps only, so every
+        schedule stays lossless; the horizon can grow by one per step."""
+        if not self.gate.should_draft(num_requests, self._forward_sps, self.other_s):
+            self._on_skip()
+            return 0
         return gamma if self._longest is None else min(gamma, self._longest + 1)
 
     def schedule(self, confidences: torch.Tensor | None, gamma: int, num_requests: int) -> torch.Tensor:
+        self._sps_fn = self._step_rate(self.gate.cost.seconds(num_requests) or 0.0)
         lengths = super().schedule(confidences, gamma, num_requests)
         if num_requests:
             self._longest = int(lengths.max())
+            if confidences is not None and bool(torch.isfinite(confidences).all()):
+                self.gate.remember(confidences)
         return lengths
 
-    def observe_step(self, batch_tokens: int, seconds: float, overhead_s: float = 0.0) -> None:
+    def observe_step(
+        self,
+        batch_tokens: int,
+        seconds: float,
+        overhead_s: float = 0.0,
+        draft_s: float = 0.0,
+        num_drafted: int = 0,
+    ) -> None:
         if not isinstance(self.sps, OnlineSps):  # a fixed curve (refine=False) ignores timings
             return
         self.sps.observe(batch_tokens, seconds)
+        self.gate.cost.observe(num_drafted, draft_s)
         if overhead_s >= 0:
-            self.overhead_s += self.overhead_alpha * (overhead_s - self.overhead_s)
+            self.other_s += self.overhead_alpha * (overhead_s - self.other_s)
+
+    def _on_skip(self) -> None:
+        """This step does not draft (stateful policies record the gap)."""
 
 
 class DSparkPolicy(_SpsPolicy):
@@ -111,3 +137,5 @@ class DSparkAsyncPolicy(_SpsPolicy):
 
     def _on_fallback(self) -> None:
         self._targets.append(None)
+
+    _on_skip = _on_fallback

@@ -16,7 +16,7 @@ class StaticPolicy(VerifyPolicy):
         self.length = length
         self.name = "full" if length is None else ("none" if length == 0 else f"static:{length}")
 
-    def max_length(self, gamma: int) -> int:
+    def max_length(self, gamma: int, num_requests: int = 1) -> int:
         return gamma if self.length is None else min(self.length, gamma)
 
     def schedule(self, confidences: torch.Tensor | None, gamma: int, num_requests: int) -> torch.Tensor:

@@ -74,6 +74,7 @@ METRIC_NAMES = (
     "dspark_scheduler_seconds",
     "dspark_confidence_calibration_error",
     "dspark_policy_fallbacks_total",
+    "dspark_undrafted_steps_total",
 )
 
 
@@ -139,6 +140,10 @@ class ServingMetrics:
             "dspark_policy_fallbacks",
             "Steps scheduled by the safe fixed policy because confidences were unusable.",
         )
+        self.undrafted_steps = counter(
+            "dspark_undrafted_steps",
+            "Decode steps that ran no drafter (policy none, or the drafting gate found them faster without).",
+        )
         # Create every series up front so dashboards and scrapers see zeros rather than gaps.
         for metric in (
             self.ttft,
@@ -154,6 +159,7 @@ class ServingMetrics:
             self.verify_batch,
             self.scheduler_s,
             self.policy_fallbacks,
+            self.undrafted_steps,
         ):
             metric.labels(self._model)
         for m in (self.num_running, self.num_waiting):
@@ -199,6 +205,8 @@ class ServingMetrics:
             self.scheduler_s.labels(m).observe(s.schedule_time_s)
         if s.policy_fallback:
             self.policy_fallbacks.labels(m).inc()
+        if s.verify_budgets and not s.drafted:
+            self.undrafted_steps.labels(m).inc()
         predicted = s.predicted_accepted_tokens
         if predicted is not None and math.isfinite(predicted) and s.num_draft_tokens:
             self._update_calibration(s.num_draft_tokens, s.num_accepted_tokens, float(predicted))

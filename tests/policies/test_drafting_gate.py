@@ -1,0 +1,113 @@
+"""The drafting gate: skip the drafter on steps expected to decode faster without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dspark.policies.drafting_gate import DraftCost, DraftingGate
+from dspark.policies.dspark import DSparkAsyncPolicy, DSparkPolicy
+from dspark.profiling.sps_profile import table_lookup
+from dspark.profiling.synthetic import synthetic_profile
+
+# Forward: 2 ms + 40 us per token, so 16 requests take ~2.6 ms to verify one token each.
+PROFILE = synthetic_profile(max_batch_tokens=512, fixed_ms=2.0, per_token_us=40.0, tile=64, tile_ms=0.3)
+FORWARD = table_lookup(PROFILE)
+
+
+def test_draft_cost_interpolates_between_measured_batch_sizes_and_is_flat_outside() -> None:
+    cost = DraftCost()
+    assert cost.seconds(4) is None
+    cost.observe(2, 0.010)
+    cost.observe(10, 0.050)
+    cost.observe(0, 1.0)  # no requests drafted: ignored
+    cost.observe(3, float("nan"))  # ignored
+    assert cost.seconds(6) == pytest.approx(0.030)
+    assert cost.seconds(1) == pytest.approx(0.010) and cost.seconds(64) == pytest.approx(0.050)
+    cost.observe(10, 0.100)  # an EWMA, not the last value
+    assert 0.050 < cost.seconds(10) < 0.100
+
+
+def test_gate_drafts_until_it_has_measured_costs_and_confidences() -> None:
+    gate = DraftingGate()
+    assert gate.should_draft(16, FORWARD, other_s=0.001)  # nothing measured
+    gate.cost.observe(16, 1.0)
+    assert gate.should_draft(16, FORWARD, other_s=0.001)  # no confidences yet
+    assert gate.skipped_steps == 0
+
+
+def test_gate_skips_expensive_drafting_of_unlikely_tokens_and_keeps_cheap_likely_drafts() -> None:
+    expensive = DraftingGate()
+    expensive.cost.observe(16, 0.005)  # twice the forward
+    expensive.remember(torch.full((16, 7), 0.3, dtype=torch.float64))
+    assert not expensive.should_draft(16, FORWARD, other_s=0.001)
+
+    cheap = DraftingGate()
+    cheap.cost.observe(16, 0.0002)
+    cheap.remember(torch.full((16, 7), 0.9, dtype=torch.float64))
+    assert cheap.should_draft(16, FORWARD, other_s=0.001)
+
+
+def test_gate_decision_matches_the_expected_rates() -> None:
+    """Drafts exactly when Algorithm 1's expected rate with drafting beats plain decoding."""
+    conf = torch.rand(8, 5, generator=torch.Generator().manual_seed(0)).pow(0.5).double()
+    other = 0.001
+    plain = 8 / (other + 1 / float(FORWARD(torch.tensor([8]))[0]))
+    for draft_s in (1e-4, 1e-3, 3e-3, 1e-2, 3e-2):
+        gate = DraftingGate()
+        gate.cost.observe(8, draft_s)
+        gate.remember(conf)
+        expected = DraftingGate.expected_rate(conf, FORWARD, other + draft_s) > plain
+        assert gate.should_draft(8, FORWARD, other) == expected
+    assert DraftingGate.expected_rate(conf, FORWARD, other + 1e-4) > plain  # both outcomes occur
+    assert DraftingGate.expected_rate(conf, FORWARD, other + 3e-2) < plain
+
+
+def test_gate_explores_after_a_run_of_skipped_steps() -> None:
+    gate = DraftingGate(explore_every=3)
+    gate.cost.observe(16, 0.01)
+    gate.remember(torch.full((16, 7), 0.1, dtype=torch.float64))
+    decisions = [gate.should_draft(16, FORWARD, 0.001) for _ in range(8)]
+    assert decisions == [False, False, False, True, False, False, False, True]
+    assert gate.skipped_steps == 6
+
+
+def test_recent_rows_are_newest_first_padded_and_cycled() -> None:
+    gate = DraftingGate()
+    gate.remember(torch.tensor([[0.1, 0.2]], dtype=torch.float64))
+    gate.remember(torch.tensor([[0.5], [0.6]], dtype=torch.float64))
+    rows = gate._recent_rows(4)
+    assert rows.tolist() == [[0.6, 0.0], [0.5, 0.0], [0.1, 0.2], [0.6, 0.0]]
+
+
+@pytest.mark.parametrize("make", [DSparkPolicy, DSparkAsyncPolicy])
+def test_policies_stop_drafting_when_drafting_costs_more_than_it_returns(make) -> None:
+    policy = make(PROFILE)
+    low = torch.full((16, 7), 0.2, dtype=torch.float64)
+    assert policy.max_length(7, 16) == 7  # nothing measured: draft
+    policy.schedule(low, 7, 16)
+    # The engine reports drafting 16 requests at 10 ms against a ~2.6 ms forward.
+    for _ in range(5):
+        policy.observe_step(16, 1 / PROFILE.sps(16.0), overhead_s=0.0005, draft_s=0.010, num_drafted=16)
+    assert policy.max_length(7, 16) == 0
+    assert policy.gate.skipped_steps == 1
+    # A fixed curve (refine=False) learns no costs, so it keeps drafting.
+    frozen = make(PROFILE, refine=False)
+    frozen.schedule(low, 7, 16)
+    frozen.observe_step(16, 1.0, overhead_s=0.0005, draft_s=0.010, num_drafted=16)
+    assert frozen.max_length(7, 16) > 0
+
+
+def test_async_policy_warms_up_again_after_skipped_steps() -> None:
+    policy = DSparkAsyncPolicy(PROFILE)
+    high = torch.full((16, 7), 0.9, dtype=torch.float64)
+    for _ in range(3):
+        policy.schedule(high, 7, 16)
+    warm = policy.warmup_steps
+    policy.gate.cost.observe(16, 1.0)
+    assert policy.max_length(7, 16) == 0
+    policy.gate = DraftingGate()  # nothing measured again: drafts
+    assert policy.max_length(7, 16) > 0
+    policy.schedule(high, 7, 16)  # capacity from the step before the skip
+    assert policy.warmup_steps == warm == 2
+    policy.schedule(high, 7, 16)  # the skipped step is two steps back: Algorithm 1 instead
+    assert policy.warmup_steps == 3
