@@ -6,6 +6,7 @@ import pytest
 import torch
 from dspark.policies.drafting_gate import DraftCost, DraftingGate
 from dspark.policies.dspark import DSparkAsyncPolicy, DSparkPolicy
+from dspark.policies.prefix_scheduler import schedule_prefix_greedy, survival_probabilities
 from dspark.profiling.sps_profile import table_lookup
 from dspark.profiling.synthetic import synthetic_profile
 
@@ -52,31 +53,60 @@ def test_gate_decision_matches_the_expected_rates() -> None:
     conf = torch.rand(8, 5, generator=torch.Generator().manual_seed(0)).pow(0.5).double()
     other = 0.001
     plain = 8 / (other + 1 / float(FORWARD(torch.tensor([8]))[0]))
+    decisions = []
     for draft_s in (1e-4, 1e-3, 3e-3, 1e-2, 3e-2):
         gate = DraftingGate()
         gate.cost.observe(8, draft_s)
         gate.remember(conf)
-        expected = DraftingGate.expected_rate(conf, FORWARD, other + draft_s) > plain
-        assert gate.should_draft(8, FORWARD, other) == expected
-    assert DraftingGate.expected_rate(conf, FORWARD, other + 1e-4) > plain  # both outcomes occur
-    assert DraftingGate.expected_rate(conf, FORWARD, other + 3e-2) < plain
+        expected = DraftingGate.expected_rate(conf, 8, FORWARD, other + draft_s) > plain
+        decisions.append(gate.should_draft(8, FORWARD, other))
+        assert decisions[-1] == expected
+    assert decisions[0] and not decisions[-1]
+
+
+def test_expected_rate_is_algorithm_1s_objective_on_the_pooled_rows() -> None:
+    conf = torch.rand(16, 7, generator=torch.Generator().manual_seed(1)).pow(0.4).double()
+    fixed = 0.002
+
+    def step_rate(b: torch.Tensor) -> torch.Tensor:
+        return 1.0 / (fixed + 1.0 / FORWARD(b))
+
+    lengths = schedule_prefix_greedy(conf, step_rate)
+    verified = torch.arange(7)[None, :] < lengths[:, None]
+    tokens = 16 + float(survival_probabilities(conf)[verified].sum())
+    expected = tokens * float(step_rate(torch.tensor([16 + int(lengths.sum())]))[0])
+    assert DraftingGate.expected_rate(conf, 16, FORWARD, fixed) == pytest.approx(expected)
+    # Twice the rows standing for the same 16 requests: the same expected rate.
+    doubled = torch.cat([conf, conf])
+    assert DraftingGate.expected_rate(doubled, 16, FORWARD, fixed) == pytest.approx(expected)
 
 
 def test_gate_explores_after_a_run_of_skipped_steps() -> None:
     gate = DraftingGate(explore_every=3)
     gate.cost.observe(16, 0.01)
     gate.remember(torch.full((16, 7), 0.1, dtype=torch.float64))
-    decisions = [gate.should_draft(16, FORWARD, 0.001) for _ in range(8)]
-    assert decisions == [False, False, False, True, False, False, False, True]
-    assert gate.skipped_steps == 6
+    decisions = [gate.should_draft(16, FORWARD, 0.001) for _ in range(25)]
+    drafted = [i for i, d in enumerate(decisions) if d]
+    assert drafted == [3, 10, 23]  # each exploration that changed nothing doubles the interval
+    assert gate.skipped_steps == 22
+    gate.remember(torch.full((16, 7), 0.99, dtype=torch.float64))  # drafting pays again
+    gate.cost.observe(16, 1e-5)
+    gate.cost._seconds[16] = 1e-5
+    assert gate.should_draft(16, FORWARD, 0.001)
+    gate._steps.clear()
+    gate.remember(torch.full((16, 7), 0.1, dtype=torch.float64))
+    gate.cost._seconds[16] = 0.01
+    decisions = [gate.should_draft(16, FORWARD, 0.001) for _ in range(5)]
+    assert decisions == [False, False, False, True, False]  # back to the short interval
 
 
-def test_recent_rows_are_newest_first_padded_and_cycled() -> None:
-    gate = DraftingGate()
+def test_pool_keeps_the_newest_steps_covering_memory_rows_zero_padded() -> None:
+    gate = DraftingGate(memory_rows=3)
     gate.remember(torch.tensor([[0.1, 0.2]], dtype=torch.float64))
     gate.remember(torch.tensor([[0.5], [0.6]], dtype=torch.float64))
-    rows = gate._recent_rows(4)
-    assert rows.tolist() == [[0.6, 0.0], [0.5, 0.0], [0.1, 0.2], [0.6, 0.0]]
+    assert gate.pool().tolist() == [[0.1, 0.2], [0.5, 0.0], [0.6, 0.0]]
+    gate.remember(torch.tensor([[0.7], [0.8]], dtype=torch.float64))  # 4 newest rows cover 3
+    assert gate.pool().tolist() == [[0.5], [0.6], [0.7], [0.8]]
 
 
 @pytest.mark.parametrize("make", [DSparkPolicy, DSparkAsyncPolicy])

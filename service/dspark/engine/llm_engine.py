@@ -195,9 +195,9 @@ class LLMEngine:
         return outputs
 
     def _draft(self, decodes: list[Request]) -> Draft:
-        t0 = time.perf_counter()
-        horizon = self.policy.max_length(self.drafter.gamma, len(decodes))  # 0: do not draft this step
-        if not decodes or horizon == 0:
+        horizon = self.policy.max_length(self.drafter.gamma, len(decodes)) if decodes else 0
+        t0 = time.perf_counter()  # after the policy's drafting decision: draft_time is drafting only
+        if horizon == 0:  # nothing to decode, or the policy does not draft this step
             empty = torch.zeros((len(decodes), 0), dtype=torch.int64, device=self.device)
             return Draft(DraftBlock(empty, None), [0] * len(decodes))
         block = self.drafter.propose(decodes, self._sampling(decodes), horizon)

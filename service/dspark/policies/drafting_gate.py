@@ -15,7 +15,7 @@ from collections import deque
 
 import torch
 
-from dspark.policies.prefix_scheduler import SpsFn, schedule_prefix_greedy, survival_probabilities
+from dspark.policies.prefix_scheduler import SpsFn, survival_probabilities
 
 
 class DraftCost:
@@ -55,62 +55,74 @@ class DraftCost:
 class DraftingGate:
     """Drafts a step only when R requests are expected to decode faster with drafting.
 
-    With drafting, Algorithm 1 on recent confidence rows (the last steps' rows, cycled to R
-    rows) gives the expected tokens tau_d and verify batch B_d; the step takes
-    other + draft(R) + 1 / SPS(B_d). Without, R tokens in other + 1 / SPS(R). Unknown costs
-    or no confidences yet: draft (that is how they get measured). After `explore_every`
-    skipped steps in a row one step drafts anyway, to refresh the confidences and cost.
+    The expected rate with drafting is Algorithm 1's objective at its early stop, over the
+    confidence rows of recent drafted steps (at least `memory_rows` of them) standing in for the
+    R requests, each pooled row weighted R / rows: tau = R + w * sum of admitted survival, in a
+    step of other + draft(R) + 1 / SPS(R + w * admitted). Without drafting, R tokens in
+    other + 1 / SPS(R). A pool rather than the last step's rows keeps one unlucky draft from
+    switching drafting off. Unknown costs or no confidences yet: draft (that is how they get
+    measured). After `explore_every` skipped steps in a row one step drafts anyway, to refresh
+    the pool and the cost; each exploration that changes nothing doubles that interval (up to
+    8x), so a load where drafting clearly does not pay spends little on checking.
     """
 
-    def __init__(self, explore_every: int = 32, memory_steps: int = 8) -> None:
+    def __init__(self, explore_every: int = 32, memory_rows: int = 64) -> None:
         self.cost = DraftCost()
         self.explore_every = explore_every
-        self._rows: deque[torch.Tensor] = deque(maxlen=memory_steps)
+        self.memory_rows = memory_rows
+        self._steps: deque[torch.Tensor] = deque()
         self._skipped_in_a_row = 0
+        self._explore_interval = explore_every
+        self._explored = False
         self.skipped_steps = 0
 
     def remember(self, confidences: torch.Tensor) -> None:
         """Finite confidences [R, w] of a step that drafted."""
-        if confidences.numel():
-            self._rows.append(confidences.detach().to("cpu", torch.float64))
+        if not confidences.numel():
+            return
+        self._steps.append(confidences.detach().to("cpu", torch.float64))
+        while sum(c.shape[0] for c in self._steps) - self._steps[0].shape[0] >= self.memory_rows:
+            self._steps.popleft()
 
     def should_draft(self, num_requests: int, forward_sps: SpsFn, other_s: float) -> bool:
         draft_s = self.cost.seconds(num_requests)
-        if (
-            num_requests < 1
-            or draft_s is None
-            or not self._rows
-            or self._skipped_in_a_row >= self.explore_every
-        ):
-            self._skipped_in_a_row = 0
+        if num_requests < 1 or draft_s is None or not self._steps:
             return True
-        rows = self._recent_rows(num_requests)
-        with_draft = self.expected_rate(rows, forward_sps, other_s + draft_s)
+        if self._skipped_in_a_row >= self._explore_interval:
+            self._skipped_in_a_row, self._explored = 0, True
+            return True
+        with_draft = self.expected_rate(self.pool(), num_requests, forward_sps, other_s + draft_s)
         without = num_requests / (other_s + 1.0 / float(forward_sps(torch.tensor([num_requests]))[0]))
+        explored, self._explored = self._explored, False
         if with_draft > without:
-            self._skipped_in_a_row = 0
+            self._skipped_in_a_row, self._explore_interval = 0, self.explore_every
             return True
+        if explored:
+            self._explore_interval = min(2 * self._explore_interval, 8 * self.explore_every)
         self._skipped_in_a_row += 1
         self.skipped_steps += 1
         return False
 
+    def pool(self) -> torch.Tensor:
+        """The remembered rows, zero-padded to the widest (a position not drafted is not a candidate)."""
+        width = max(c.shape[1] for c in self._steps)
+        return torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1])) for c in self._steps])
+
     @staticmethod
-    def expected_rate(confidences: torch.Tensor, forward_sps: SpsFn, fixed_s: float) -> float:
-        """Expected tokens per second of a step that spends `fixed_s` besides its forward and
-        verifies Algorithm 1's choice on `confidences` [R, w]."""
-
-        def step_rate(b: torch.Tensor) -> torch.Tensor:
-            return 1.0 / (fixed_s + 1.0 / forward_sps(b))
-
-        lengths = schedule_prefix_greedy(confidences, step_rate)
-        survival = survival_probabilities(confidences)
-        verified = torch.arange(confidences.shape[1])[None, :] < lengths[:, None]
-        tokens = confidences.shape[0] + float(survival[verified].sum())
-        batch = torch.tensor([confidences.shape[0] + int(lengths.sum())])
-        return tokens * float(step_rate(batch)[0])
-
-    def _recent_rows(self, num_requests: int) -> torch.Tensor:
-        width = max(c.shape[1] for c in self._rows)
-        rows = torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1])) for c in self._rows])
-        index = torch.arange(num_requests) % rows.shape[0]
-        return rows.flip(0)[index]  # newest first
+    def expected_rate(pool: torch.Tensor, num_requests: int, forward_sps: SpsFn, fixed_s: float) -> float:
+        """Expected tokens per second of a step of `num_requests` requests like the `pool` rows
+        that spends `fixed_s` besides its forward and verifies by Algorithm 1."""
+        weight = num_requests / pool.shape[0]
+        values = torch.sort(survival_probabilities(pool).flatten(), descending=True).values
+        values = values[values > 0]
+        admitted = torch.arange(values.numel() + 1, dtype=torch.float64)
+        tokens = num_requests + weight * torch.cat([values.new_zeros(1), values.cumsum(0)])
+        # Fractional batch sizes: interpolate the forward time between the integers around them.
+        batch = num_requests + weight * admitted
+        low = batch.floor()
+        frac = batch - low
+        forward_s = 1.0 / forward_sps(torch.cat([low, low + 1]).long()).to(torch.float64)
+        forward_s = (1 - frac) * forward_s[: low.numel()] + frac * forward_s[low.numel() :]
+        rate = tokens / (fixed_s + forward_s)
+        taken = int((rate[1:] > rate[:-1]).long().cumprod(0).sum())  # Algorithm 1's early stop
+        return float(rate[taken])

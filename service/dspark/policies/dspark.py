@@ -55,6 +55,8 @@ class _SpsPolicy(ConfidencePolicy):
         scheduler will not verify only costs time. Both depend on earlier steps only, so every
         schedule stays lossless; the horizon can grow by one per step."""
         if not self.gate.should_draft(num_requests, self._forward_sps, self.other_s):
+            # The next drafted step drafts the whole block, so the gate judges full-width rows.
+            self._longest = None
             self._on_skip()
             return 0
         return gamma if self._longest is None else min(gamma, self._longest + 1)
