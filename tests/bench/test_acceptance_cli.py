@@ -100,3 +100,32 @@ def test_unknown_drafter_name_is_refused(tiny_pair):
     )
     assert result.exit_code != 0
     assert "neither a checkpoint directory" in result.output
+
+
+def test_bench_serve_cli_runs_policies_in_rounds(tiny_pair, tmp_path, monkeypatch):
+    """`dspark bench serve` end to end: every policy at every level, rounds merged, plots written."""
+    target, drafter = tiny_pair
+    monkeypatch.setenv("DSPARK_HOME", str(tmp_path / "home"))  # the SPS profile is measured here
+    out = tmp_path / "serve"
+    args = ["bench", "serve", "--target", str(target), "--drafter", str(drafter), "--device", "cpu"]
+    args += ["--dtype", "float32", "--policies", "none,static:1,dspark", "--concurrency", "1,2"]
+    args += ["--requests", "4", "--rounds", "2", "--max-tokens", "6", "--domains", "code"]
+    result = CliRunner().invoke(main, [*args, "--output-dir", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "bench-serve.json").read_text())
+    points = report["points"]
+    assert [(p["concurrency"], p["policy"]) for p in points] == [
+        (c, n) for c in (1, 2) for n in ("none", "static:1", "dspark")
+    ]
+    for p in points:
+        assert len(p["extra"]["round_tokens_per_s"]) == 2
+        assert p["requests"] == 2 * max(2, 2 * p["concurrency"]) and p["output_tokens"] == 6 * p["requests"]
+        assert p["aggregate_tokens_per_s"] == pytest.approx(p["output_tokens"] / p["seconds"])
+    by = {(p["concurrency"], p["policy"]): p for p in points}
+    assert by[(1, "none")]["drafted_share"] == 0 and by[(1, "static:1")]["drafted_share"] == 1
+    assert by[(1, "none")]["mean_verify_budget"] == 0 and by[(1, "static:1")]["mean_verify_budget"] > 0
+    levels = report["summary"]["per_level"]
+    assert [row["concurrency"] for row in levels] == [1, 2]
+    assert all(row["best_fixed"] in ("none", "static:1") and "dspark_vs_best_fixed" in row for row in levels)
+    assert report["meta"]["rounds"] == 2
+    assert (out / "frontier.png").stat().st_size > 0 and (out / "verify-budget.png").stat().st_size > 0

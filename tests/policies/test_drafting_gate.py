@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dspark.policies.acceptance_scale import AcceptanceScale
 from dspark.policies.drafting_gate import DraftCost, DraftingGate
 from dspark.policies.dspark import DSparkAsyncPolicy, DSparkPolicy
 from dspark.policies.prefix_scheduler import schedule_prefix_greedy, survival_probabilities
 from dspark.profiling.sps_profile import table_lookup
 from dspark.profiling.synthetic import synthetic_profile
+
+from tests.policies.helpers import step_stats
 
 # Forward: 2 ms + 40 us per token, so 16 requests take ~2.6 ms to verify one token each.
 PROFILE = synthetic_profile(max_batch_tokens=512, fixed_ms=2.0, per_token_us=40.0, tile=64, tile_ms=0.3)
@@ -30,9 +33,9 @@ def test_draft_cost_interpolates_between_measured_batch_sizes_and_is_flat_outsid
 
 def test_gate_drafts_until_it_has_measured_costs_and_confidences() -> None:
     gate = DraftingGate()
-    assert gate.should_draft(16, FORWARD, other_s=0.001)  # nothing measured
+    assert gate.should_draft(16, FORWARD, 0.001, 0.001)  # nothing measured
     gate.cost.observe(16, 1.0)
-    assert gate.should_draft(16, FORWARD, other_s=0.001)  # no confidences yet
+    assert gate.should_draft(16, FORWARD, 0.001, 0.001)  # no confidences yet
     assert gate.skipped_steps == 0
 
 
@@ -40,12 +43,12 @@ def test_gate_skips_expensive_drafting_of_unlikely_tokens_and_keeps_cheap_likely
     expensive = DraftingGate()
     expensive.cost.observe(16, 0.005)  # twice the forward
     expensive.remember(torch.full((16, 7), 0.3, dtype=torch.float64))
-    assert not expensive.should_draft(16, FORWARD, other_s=0.001)
+    assert not expensive.should_draft(16, FORWARD, 0.001, 0.001)
 
     cheap = DraftingGate()
     cheap.cost.observe(16, 0.0002)
     cheap.remember(torch.full((16, 7), 0.9, dtype=torch.float64))
-    assert cheap.should_draft(16, FORWARD, other_s=0.001)
+    assert cheap.should_draft(16, FORWARD, 0.001, 0.001)
 
 
 def test_gate_decision_matches_the_expected_rates() -> None:
@@ -59,7 +62,7 @@ def test_gate_decision_matches_the_expected_rates() -> None:
         gate.cost.observe(8, draft_s)
         gate.remember(conf)
         expected = DraftingGate.expected_rate(conf, 8, FORWARD, other + draft_s) > plain
-        decisions.append(gate.should_draft(8, FORWARD, other))
+        decisions.append(gate.should_draft(8, FORWARD, other, other))
         assert decisions[-1] == expected
     assert decisions[0] and not decisions[-1]
 
@@ -85,18 +88,18 @@ def test_gate_explores_after_a_run_of_skipped_steps() -> None:
     gate = DraftingGate(explore_every=3)
     gate.cost.observe(16, 0.01)
     gate.remember(torch.full((16, 7), 0.1, dtype=torch.float64))
-    decisions = [gate.should_draft(16, FORWARD, 0.001) for _ in range(25)]
+    decisions = [gate.should_draft(16, FORWARD, 0.001, 0.001) for _ in range(25)]
     drafted = [i for i, d in enumerate(decisions) if d]
     assert drafted == [3, 10, 23]  # each exploration that changed nothing doubles the interval
     assert gate.skipped_steps == 22
     gate.remember(torch.full((16, 7), 0.99, dtype=torch.float64))  # drafting pays again
     gate.cost.observe(16, 1e-5)
     gate.cost._seconds[16] = 1e-5
-    assert gate.should_draft(16, FORWARD, 0.001)
+    assert gate.should_draft(16, FORWARD, 0.001, 0.001)
     gate._steps.clear()
     gate.remember(torch.full((16, 7), 0.1, dtype=torch.float64))
     gate.cost._seconds[16] = 0.01
-    decisions = [gate.should_draft(16, FORWARD, 0.001) for _ in range(5)]
+    decisions = [gate.should_draft(16, FORWARD, 0.001, 0.001) for _ in range(5)]
     assert decisions == [False, False, False, True, False]  # back to the short interval
 
 
@@ -117,13 +120,13 @@ def test_policies_stop_drafting_when_drafting_costs_more_than_it_returns(make) -
     policy.schedule(low, 7, 16)
     # The engine reports drafting 16 requests at 10 ms against a ~2.6 ms forward.
     for _ in range(5):
-        policy.observe_step(16, 1 / PROFILE.sps(16.0), overhead_s=0.0005, draft_s=0.010, num_drafted=16)
+        policy.observe_step(step_stats(16, 1 / PROFILE.sps(16.0), 0.0005, draft_s=0.010, drafted_requests=16))
     assert policy.max_length(7, 16) == 0
     assert policy.gate.skipped_steps == 1
     # A fixed curve (refine=False) learns no costs, so it keeps drafting.
     frozen = make(PROFILE, refine=False)
     frozen.schedule(low, 7, 16)
-    frozen.observe_step(16, 1.0, overhead_s=0.0005, draft_s=0.010, num_drafted=16)
+    frozen.observe_step(step_stats(16, 1.0, 0.0005, draft_s=0.010, drafted_requests=16))
     assert frozen.max_length(7, 16) > 0
 
 
@@ -141,3 +144,48 @@ def test_async_policy_warms_up_again_after_skipped_steps() -> None:
     assert policy.warmup_steps == warm == 2
     policy.schedule(high, 7, 16)  # the skipped step is two steps back: Algorithm 1 instead
     assert policy.warmup_steps == 3
+
+
+def test_plain_steps_overhead_is_measured_on_a_skipped_step_and_used_for_the_comparison() -> None:
+    policy = DSparkPolicy(PROFILE)
+    high = torch.full((16, 7), 0.6, dtype=torch.float64)
+    assert policy.max_length(7, 16) == 7
+    policy.schedule(high, 7, 16)
+    # Drafted steps: accepting their tokens costs 2 ms besides a cheap 0.5 ms drafting.
+    policy.observe_step(step_stats(16, 1 / PROFILE.sps(16.0), 0.002, draft_s=0.0005, drafted_requests=16))
+    assert policy.plain_other_s is None
+    assert policy.max_length(7, 16) == 0  # one undrafted step, to measure it
+    policy.observe_step(step_stats(16, 1 / PROFILE.sps(16.0), 0.0001))
+    assert policy.plain_other_s == pytest.approx(0.0001) and policy.other_s > 0
+    gate = policy.gate
+    with_draft = gate.expected_rate(gate.pool(), 16, FORWARD, policy.other_s + gate.cost.seconds(16))
+    plain = 16 / (0.0001 + 1 / float(FORWARD(torch.tensor([16]))[0]))
+    assert (policy.max_length(7, 16) > 0) == (with_draft > plain)
+
+
+def test_acceptance_scale_tracks_observed_over_predicted_and_rescales_survival() -> None:
+    scale = AcceptanceScale(prior_tokens=5.0)
+    assert scale.factor == 1.0
+    for _ in range(300):
+        scale.observe(predicted=2.0, accepted=1)  # the confidences promise twice what is accepted
+        scale.observe(predicted=float("nan"), accepted=5)  # ignored
+    assert scale.factor == pytest.approx((50 + 5) / (100 + 5), rel=1e-3)  # steady sums 100, 50 + prior
+    conf = torch.tensor([[0.8, 0.5, 0.9]], dtype=torch.float64)
+    scaled = scale.apply(conf)
+    assert survival_probabilities(scaled) == pytest.approx(survival_probabilities(conf) * scale.factor)
+    assert conf[0, 0] == 0.8  # the input is left alone
+
+
+def test_over_confident_drafts_stop_being_verified_and_drafted() -> None:
+    """Steps whose drafts are accepted far less often than predicted teach the policy to verify less."""
+    policy = DSparkPolicy(PROFILE)
+    conf = torch.full((16, 7), 0.8, dtype=torch.float64)
+    before = int(policy.schedule(conf, 7, 16).sum())
+    for _ in range(100):
+        policy.observe_step(
+            step_stats(
+                16 + before, 1 / PROFILE.sps(16.0 + before), 0.0005, 0.0005, 16, predicted=20.0, accepted=1
+            )
+        )
+    assert policy.acceptance.factor < 0.1
+    assert int(policy.schedule(conf, 7, 16).sum()) < before

@@ -12,6 +12,8 @@ from dspark.policies.threshold import ThresholdPolicy
 from dspark.profiling.online import OnlineSps
 from dspark.profiling.synthetic import synthetic_profile
 
+from tests.policies.helpers import step_stats
+
 PROFILE = synthetic_profile(max_batch_tokens=512, fixed_ms=2.0, per_token_us=40.0, tile=64, tile_ms=0.3)
 
 
@@ -84,13 +86,13 @@ def test_observe_step_refines_the_dspark_curve() -> None:
     # The node turns out 3x slower per token than profiled: verifying extra tokens costs more.
     for _ in range(200):
         for b in (16, 32, 64, 96, 112):
-            policy.observe_step(b, (2.0 + 3 * 0.04 * b) / 1000)
+            policy.observe_step(step_stats(b, (2.0 + 3 * 0.04 * b) / 1000))
     assert policy.sps.observations == 1000
     after = policy.schedule(confidences(0), 6, 16).sum()
     assert after < before
     # A fixed profile (refine=False) ignores step timings.
     frozen = DSparkPolicy(PROFILE, refine=False)
-    frozen.observe_step(64, 1.0)
+    frozen.observe_step(step_stats(64, 1.0))
     assert frozen.sps is PROFILE
 
 
@@ -100,12 +102,12 @@ def test_step_overhead_makes_verification_relatively_cheaper() -> None:
     conf = confidences(0)
     before = policy.schedule(conf, 6, 16).sum()
     for _ in range(100):
-        policy.observe_step(16, 1 / PROFILE.sps(16.0), overhead_s=0.05)
+        policy.observe_step(step_stats(16, 1 / PROFILE.sps(16.0), 0.05, drafted_requests=16))
     assert policy.other_s == pytest.approx(0.05, rel=1e-3)
     after = policy.schedule(conf, 6, 16).sum()
     assert after > before
     frozen = DSparkPolicy(PROFILE, refine=False)
-    frozen.observe_step(16, 1.0, overhead_s=0.05)
+    frozen.observe_step(step_stats(16, 1.0, 0.05, drafted_requests=16))
     assert frozen.other_s == 0.0
 
 

@@ -110,18 +110,63 @@ def run_serve_bench(
     requests_per_level: int,
     sps=None,
     progress=None,
+    rounds: int = 1,
 ) -> list[LoadPoint]:
-    """Every policy at every concurrency on the same prompts, same drafter, same weights."""
+    """Every policy at every concurrency on the same prompts, same drafter, same weights.
+
+    Each level runs its policies round-robin `rounds` times, each run finishing
+    max(requests_per_level / rounds, 2 x concurrency) requests, and reports a policy over all
+    its rounds: drift of a shared machine's speed during a level then falls on every policy alike.
+    A policy object lives through its level's rounds (what it learned carries over, as in serving).
+    """
     points = []
     for c in concurrencies:
+        verify = {spec: build_policy(spec, sps=sps) for spec in policies}
+        runs: dict[str, list[LoadPoint]] = {spec: [] for spec in policies}
+        per_run = max(-(-requests_per_level // rounds), 2 * c)
+        for _ in range(rounds):
+            for spec, policy in verify.items():
+                engine = base.sibling(base.drafter, policy, max_num_seqs=c)
+                engine.generate(prompts[:1], params.model_copy(update={"max_tokens": 4}))  # warm-up
+                runs[spec].append(run_closed_loop(engine, prompts, c, per_run, params))
+                del engine
         for spec in policies:
-            engine = base.sibling(base.drafter, build_policy(spec, sps=sps), max_num_seqs=c)
-            engine.generate(prompts[:1], params.model_copy(update={"max_tokens": 4}))  # warm-up
-            points.append(run_closed_loop(engine, prompts, c, max(requests_per_level, 2 * c), params))
-            del engine
+            points.append(merge_rounds(runs[spec]))
             if progress:
                 progress(points[-1])
     return points
+
+
+def merge_rounds(runs: list[LoadPoint]) -> LoadPoint:
+    """One point from a policy's rounds at one level: throughput over all of them (tokens / time),
+    medians of the per-round latency figures, means of the per-round averages."""
+    if len(runs) == 1:
+        return runs[0]
+    tokens, seconds = sum(p.output_tokens for p in runs), sum(p.seconds for p in runs)
+
+    def median(field: str) -> float:
+        return statistics.median(getattr(p, field) for p in runs)
+
+    def mean(field: str) -> float:
+        return statistics.fmean(getattr(p, field) for p in runs)
+
+    return LoadPoint(
+        policy=runs[0].policy,
+        concurrency=runs[0].concurrency,
+        requests=sum(p.requests for p in runs),
+        output_tokens=tokens,
+        seconds=seconds,
+        aggregate_tokens_per_s=tokens / seconds,
+        per_user_p50=median("per_user_p50"),
+        per_user_p10=median("per_user_p10"),
+        ttft_p50_s=median("ttft_p50_s"),
+        ttft_p90_s=median("ttft_p90_s"),
+        mean_verify_budget=mean("mean_verify_budget"),
+        mean_tau=mean("mean_tau"),
+        scheduler_share=mean("scheduler_share"),
+        drafted_share=mean("drafted_share"),
+        extra={"round_tokens_per_s": [p.aggregate_tokens_per_s for p in runs]},
+    )
 
 
 def summarize(points: list[LoadPoint], baseline: str = "static:1") -> dict:

@@ -72,6 +72,14 @@ def decode(engine_config, domains, num_prompts, max_tokens, lookup, no_hf, outpu
     show_default=True,
     help="Finished requests per level (at least 2x the concurrency).",
 )
+@click.option(
+    "--rounds",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Run each level's policies round-robin this many times (the requests split between rounds), "
+    "so a shared machine's drift falls on every policy alike.",
+)
 @click.option("--max-tokens", type=int, default=64, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True)
 @click.option("--domains", default="code,chat,math", show_default=True)
@@ -79,7 +87,15 @@ def decode(engine_config, domains, num_prompts, max_tokens, lookup, no_hf, outpu
     "--output-dir", type=click.Path(path_type=Path), default=Path("runs/bench-serve"), show_default=True
 )
 def serve_bench(
-    engine_config, policies, concurrency, requests_per_level, max_tokens, temperature, domains, output_dir
+    engine_config,
+    policies,
+    concurrency,
+    requests_per_level,
+    rounds,
+    max_tokens,
+    temperature,
+    domains,
+    output_dir,
 ) -> None:
     """Closed-loop load at rising concurrency: throughput, per-user speed, TTFT, verify budget per policy."""
     import json
@@ -108,7 +124,9 @@ def serve_bench(
             f"drafted {p.drafted_share:.0%}"
         )
 
-    points = run_serve_bench(base, names, levels, prompts, params, requests_per_level, sps=sps, progress=show)
+    points = run_serve_bench(
+        base, names, levels, prompts, params, requests_per_level, sps=sps, progress=show, rounds=rounds
+    )
     output_dir.mkdir(parents=True, exist_ok=True)
     summary = summarize(points)
     meta = {
@@ -117,6 +135,7 @@ def serve_bench(
         "machine": platform.processor() or platform.machine(),
         "max_tokens": max_tokens,
         "temperature": temperature,
+        "rounds": rounds,
     }
     (output_dir / "bench-serve.json").write_text(
         json.dumps({"meta": meta, "summary": summary, "points": as_json(points)}, indent=2)

@@ -347,13 +347,7 @@ class LLMEngine:
         stats.verify_budgets = list(draft.lengths)
         stats.forward_time_s, stats.step_time_s = forward_time, step_time
         if not plan.prefills:  # mixed prefill steps would skew the verification-time estimate
-            self.policy.observe_step(
-                stats.verify_batch_tokens,
-                forward_time,
-                step_time - forward_time - stats.draft_time_s,
-                draft_s=stats.draft_time_s,
-                num_drafted=len(plan.decodes) if stats.drafted else 0,
-            )
+            self.policy.observe_step(stats)
         self.last_step_stats = stats
 
     # ---- offline use ----------------------------------------------------------------------

@@ -6,6 +6,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from dspark.engine.outputs import StepStats
+
 
 class VerifyPolicy(ABC):
     """Chooses l_r in [0, gamma] for each of R requests from the drafter's confidences."""
@@ -21,14 +23,6 @@ class VerifyPolicy(ABC):
         with a block of `gamma`: the engine drafts no further (and not at all when it is 0)."""
         return gamma
 
-    def observe_step(  # noqa: B027 - optional hook
-        self,
-        batch_tokens: int,
-        seconds: float,
-        overhead_s: float = 0.0,
-        draft_s: float = 0.0,
-        num_drafted: int = 0,
-    ) -> None:
-        """Measured duration of a verification forward of `batch_tokens` tokens, the rest of that
-        engine step but drafting (`overhead_s`: acceptance, caches), and drafting for
-        `num_drafted` requests (`draft_s`; 0 requests when the step did not draft)."""
+    def observe_step(self, stats: StepStats) -> None:  # noqa: B027 - optional hook
+        """What a decode-only engine step measured: the verification forward's batch and time,
+        drafting (whether, how long), the rest of the step, predicted and accepted draft tokens."""

@@ -59,7 +59,9 @@ class DraftingGate:
     confidence rows of recent drafted steps (at least `memory_rows` of them) standing in for the
     R requests, each pooled row weighted R / rows: tau = R + w * sum of admitted survival, in a
     step of other + draft(R) + 1 / SPS(R + w * admitted). Without drafting, R tokens in
-    other + 1 / SPS(R). A pool rather than the last step's rows keeps one unlucky draft from
+    other' + 1 / SPS(R), other' measured on undrafted steps (acceptance of drafted tokens costs
+    more, and charging it to plain steps would bias the gate towards drafting; until an
+    undrafted step is measured the gate skips one to measure it). A pool rather than the last step's rows keeps one unlucky draft from
     switching drafting off. Unknown costs or no confidences yet: draft (that is how they get
     measured). After `explore_every` skipped steps in a row one step drafts anyway, to refresh
     the pool and the cost; each exploration that changes nothing doubles that interval (up to
@@ -84,16 +86,24 @@ class DraftingGate:
         while sum(c.shape[0] for c in self._steps) - self._steps[0].shape[0] >= self.memory_rows:
             self._steps.popleft()
 
-    def should_draft(self, num_requests: int, forward_sps: SpsFn, other_s: float) -> bool:
+    def should_draft(
+        self, num_requests: int, forward_sps: SpsFn, other_s: float, plain_other_s: float | None
+    ) -> bool:
+        """`other_s`: the rest of a drafted step besides drafting and the forward; `plain_other_s`:
+        the same for an undrafted step, None until one is measured (the gate then skips one step
+        to measure it)."""
         draft_s = self.cost.seconds(num_requests)
         if num_requests < 1 or draft_s is None or not self._steps:
             return True
         if self._skipped_in_a_row >= self._explore_interval:
             self._skipped_in_a_row, self._explored = 0, True
             return True
-        with_draft = self.expected_rate(self.pool(), num_requests, forward_sps, other_s + draft_s)
-        without = num_requests / (other_s + 1.0 / float(forward_sps(torch.tensor([num_requests]))[0]))
         explored, self._explored = self._explored, False
+        if plain_other_s is None:
+            self.skipped_steps += 1
+            return False
+        with_draft = self.expected_rate(self.pool(), num_requests, forward_sps, other_s + draft_s)
+        without = num_requests / (plain_other_s + 1.0 / float(forward_sps(torch.tensor([num_requests]))[0]))
         if with_draft > without:
             self._skipped_in_a_row, self._explore_interval = 0, self.explore_every
             return True

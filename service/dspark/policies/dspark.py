@@ -6,6 +6,8 @@ from collections import deque
 
 import torch
 
+from dspark.engine.outputs import StepStats
+from dspark.policies.acceptance_scale import AcceptanceScale
 from dspark.policies.confidence import ConfidencePolicy
 from dspark.policies.drafting_gate import DraftingGate
 from dspark.policies.prefix_scheduler import schedule_global_argmax, schedule_prefix_greedy, topk_survival
@@ -28,10 +30,13 @@ class _SpsPolicy(ConfidencePolicy):
     The profile times the verification forward alone, but every step that drafts also pays for
     drafting and for acceptance, costs that do not depend on the verify lengths chosen; leaving
     them out overstates the relative cost of extra verification (on the CPU with the SmolLM2
-    DSpark drafter, drafting takes about as long as the forward). `other_s` is an EWMA of
-    observed (step - forward - drafting) times and draft(R) the `DraftingGate`'s measured
-    drafting time for R requests, both from earlier steps only, so schedules stay lossless.
-    The same figures let the gate skip drafting on steps that are faster without it.
+    DSpark drafter, drafting takes a quarter to half as long as the forward). `other_s` is an EWMA of
+    observed (step - forward - drafting) times of drafted steps and draft(R) the `DraftingGate`'s
+    measured drafting time for R requests, both from earlier steps only, so schedules stay
+    lossless. Confidences are rescaled by the observed / predicted acceptance of earlier steps
+    (`AcceptanceScale`). The same figures, with `plain_other_s` (the same EWMA over undrafted steps, whose
+    acceptance handles one token per request), let the gate skip drafting on steps that are
+    faster without it.
     """
 
     overhead_alpha = 0.1
@@ -40,7 +45,9 @@ class _SpsPolicy(ConfidencePolicy):
         super().__init__()
         self.sps = as_sps_curve(sps, refine)
         self.other_s = 0.0
+        self.plain_other_s: float | None = None  # until an undrafted step is measured
         self.gate = DraftingGate()
+        self.acceptance = AcceptanceScale()
         self._forward_sps = table_lookup(self.sps)
         self._sps_fn = self._step_rate(0.0)
         self._longest: int | None = None  # longest verify length of the previous drafted step
@@ -54,7 +61,7 @@ class _SpsPolicy(ConfidencePolicy):
         previous step's longest verify length (all of gamma at first): drafting what the
         scheduler will not verify only costs time. Both depend on earlier steps only, so every
         schedule stays lossless; the horizon can grow by one per step."""
-        if not self.gate.should_draft(num_requests, self._forward_sps, self.other_s):
+        if not self.gate.should_draft(num_requests, self._forward_sps, self.other_s, self.plain_other_s):
             # The next drafted step drafts the whole block, so the gate judges full-width rows.
             self._longest = None
             self._on_skip()
@@ -63,27 +70,34 @@ class _SpsPolicy(ConfidencePolicy):
 
     def schedule(self, confidences: torch.Tensor | None, gamma: int, num_requests: int) -> torch.Tensor:
         self._sps_fn = self._step_rate(self.gate.cost.seconds(num_requests) or 0.0)
+        usable = (
+            confidences is not None and confidences.dim() == 2 and bool(torch.isfinite(confidences).all())
+        )
+        if usable:
+            confidences = self.acceptance.apply(confidences.detach().to("cpu", torch.float64))
         lengths = super().schedule(confidences, gamma, num_requests)
         if num_requests:
             self._longest = int(lengths.max())
-            if confidences is not None and bool(torch.isfinite(confidences).all()):
+            if usable:
                 self.gate.remember(confidences)
         return lengths
 
-    def observe_step(
-        self,
-        batch_tokens: int,
-        seconds: float,
-        overhead_s: float = 0.0,
-        draft_s: float = 0.0,
-        num_drafted: int = 0,
-    ) -> None:
-        if not isinstance(self.sps, OnlineSps):  # a fixed curve (refine=False) ignores timings
+    def observe_step(self, stats: StepStats) -> None:
+        if not isinstance(self.sps, OnlineSps):  # a fixed curve (refine=False) learns nothing
             return
-        self.sps.observe(batch_tokens, seconds)
-        self.gate.cost.observe(num_drafted, draft_s)
-        if overhead_s >= 0:
+        self.sps.observe(stats.verify_batch_tokens, stats.forward_time_s)
+        overhead_s = stats.step_time_s - stats.forward_time_s - stats.draft_time_s
+        if stats.drafted:
+            self.gate.cost.observe(len(stats.verify_budgets), stats.draft_time_s)
+            self.acceptance.observe(stats.predicted_accepted_tokens, stats.num_accepted_tokens)
+        if overhead_s < 0:
+            return
+        if stats.drafted:
             self.other_s += self.overhead_alpha * (overhead_s - self.other_s)
+        elif self.plain_other_s is None:
+            self.plain_other_s = overhead_s
+        else:
+            self.plain_other_s += self.overhead_alpha * (overhead_s - self.plain_other_s)
 
     def _on_skip(self) -> None:
         """This step does not draft (stateful policies record the gap)."""
