@@ -61,7 +61,7 @@ def test_gate_decision_matches_the_expected_rates() -> None:
         gate = DraftingGate()
         gate.cost.observe(8, draft_s)
         gate.remember(conf)
-        expected = DraftingGate.expected_rate(conf, 8, FORWARD, other + draft_s) > plain
+        expected = DraftingGate.expected_rate(conf, 8, FORWARD, other + draft_s) > plain * (1 + gate.min_gain)
         decisions.append(gate.should_draft(8, FORWARD, other, other))
         assert decisions[-1] == expected
     assert decisions[0] and not decisions[-1]
@@ -160,7 +160,7 @@ def test_plain_steps_overhead_is_measured_on_a_skipped_step_and_used_for_the_com
     gate = policy.gate
     with_draft = gate.expected_rate(gate.pool(), 16, FORWARD, policy.other_s + gate.cost.seconds(16))
     plain = 16 / (0.0001 + 1 / float(FORWARD(torch.tensor([16]))[0]))
-    assert (policy.max_length(7, 16) > 0) == (with_draft > plain)
+    assert (policy.max_length(7, 16) > 0) == (with_draft > plain * (1 + gate.min_gain))
 
 
 def test_acceptance_scale_tracks_observed_over_predicted_and_rescales_survival() -> None:

@@ -63,13 +63,16 @@ class DraftingGate:
     more, and charging it to plain steps would bias the gate towards drafting; until an
     undrafted step is measured the gate skips one to measure it). A pool rather than the last step's rows keeps one unlucky draft from
     switching drafting off. Unknown costs or no confidences yet: draft (that is how they get
-    measured). After `explore_every` skipped steps in a row one step drafts anyway, to refresh
+    measured). Drafting must promise `min_gain` (3%) more than plain decoding: near break-even
+    the estimates' noise would otherwise flip the decision step by step for no expected gain.
+    After `explore_every` skipped steps in a row one step drafts anyway, to refresh
     the pool and the cost; each exploration that changes nothing doubles that interval (up to
     8x), so a load where drafting clearly does not pay spends little on checking.
     """
 
-    def __init__(self, explore_every: int = 32, memory_rows: int = 64) -> None:
+    def __init__(self, explore_every: int = 32, memory_rows: int = 64, min_gain: float = 0.03) -> None:
         self.cost = DraftCost()
+        self.min_gain = min_gain
         self.explore_every = explore_every
         self.memory_rows = memory_rows
         self._steps: deque[torch.Tensor] = deque()
@@ -104,7 +107,7 @@ class DraftingGate:
             return False
         with_draft = self.expected_rate(self.pool(), num_requests, forward_sps, other_s + draft_s)
         without = num_requests / (plain_other_s + 1.0 / float(forward_sps(torch.tensor([num_requests]))[0]))
-        if with_draft > without:
+        if with_draft > without * (1.0 + self.min_gain):
             self._skipped_in_a_row, self._explore_interval = 0, self.explore_every
             return True
         if explored:
