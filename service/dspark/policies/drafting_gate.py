@@ -11,6 +11,7 @@ verifies no draft tokens.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 
 import torch
@@ -41,15 +42,14 @@ class DraftCost:
         if num_requests in self._seconds:
             return self._seconds[num_requests]
         known = sorted(self._seconds)
-        x = torch.tensor(known, dtype=torch.float64)
-        y = torch.tensor([self._seconds[r] for r in known], dtype=torch.float64)
-        i = int(torch.searchsorted(x, float(num_requests)))
+        i = bisect.bisect_left(known, num_requests)
         if i == 0:
-            return float(y[0])
+            return self._seconds[known[0]]
         if i == len(known):
-            return float(y[-1])
-        w = (num_requests - x[i - 1]) / (x[i] - x[i - 1])
-        return float(y[i - 1] + w * (y[i] - y[i - 1]))
+            return self._seconds[known[-1]]
+        lo, hi = known[i - 1], known[i]
+        w = (num_requests - lo) / (hi - lo)
+        return self._seconds[lo] + w * (self._seconds[hi] - self._seconds[lo])
 
 
 class DraftingGate:
