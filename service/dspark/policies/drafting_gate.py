@@ -1,7 +1,7 @@
 """Whether a step should draft at all: DSpark's expected-throughput test, extended to the drafter.
 
 The paper's scheduler picks verify lengths after drafting, because a GPU drafts almost for
-free. Where drafting costs about as much as the verification forward (a CPU, or a drafter
+free. Where drafting costs a real share of the verification forward (a CPU, or a drafter
 large next to its target) a step can be faster without it; this gate compares the two
 before the drafter runs. Everything it uses comes from earlier steps (recent calibrated
 confidences, measured drafting and step times) and the number of requests, none of which the
@@ -55,17 +55,18 @@ class DraftCost:
 class DraftingGate:
     """Drafts a step only when R requests are expected to decode faster with drafting.
 
-    The expected rate with drafting is Algorithm 1's objective at its early stop, over the
-    confidence rows of recent drafted steps (at least `memory_rows` of them) standing in for the
-    R requests, each pooled row weighted R / rows: tau = R + w * sum of admitted survival, in a
-    step of other + draft(R) + 1 / SPS(R + w * admitted). Without drafting, R tokens in
-    other' + 1 / SPS(R), other' measured on undrafted steps (acceptance of drafted tokens costs
-    more, and charging it to plain steps would bias the gate towards drafting; until an
-    undrafted step is measured the gate skips one to measure it). A pool rather than the last step's rows keeps one unlucky draft from
-    switching drafting off. Unknown costs or no confidences yet: draft (that is how they get
-    measured). Drafting must promise `min_gain` (3%) more than plain decoding: near break-even
-    the estimates' noise would otherwise flip the decision step by step for no expected gain.
-    After `explore_every` skipped steps in a row one step drafts anyway, to refresh
+    With drafting: Algorithm 1's objective at its early stop, over the confidence rows of recent
+    drafted steps (at least `memory_rows`) standing in for the R requests, each row weighted
+    R / rows: tau = R + w * (admitted survival), in a step of other + draft(R) + 1 / SPS(R + w *
+    admitted). A pool rather than the last step's rows keeps one unlucky draft from switching
+    drafting off. Without: R tokens in other' + 1 / SPS(R), where other' is measured on undrafted
+    steps (accepting drafted tokens costs more; charging that to plain steps biased the gate
+    towards drafting).
+
+    Drafting must promise `min_gain` (3%) more: near break-even the estimates' noise would
+    otherwise flip the decision step by step for no expected gain. Unknown costs or no
+    confidences yet: draft; no undrafted step measured yet: skip one (that is how they get
+    measured). After `explore_every` skipped steps in a row one step drafts anyway, to refresh
     the pool and the cost; each exploration that changes nothing doubles that interval (up to
     8x), so a load where drafting clearly does not pay spends little on checking.
     """

@@ -27,16 +27,15 @@ def as_sps_curve(sps: SpsProfile | OnlineSps | SpsCurve, refine: bool = True) ->
 class _SpsPolicy(ConfidencePolicy):
     """Schedules against the rate of whole engine steps: 1 / (other + draft(R) + 1 / SPS(B)).
 
-    The profile times the verification forward alone, but every step that drafts also pays for
-    drafting and for acceptance, costs that do not depend on the verify lengths chosen; leaving
-    them out overstates the relative cost of extra verification (on the CPU with the SmolLM2
-    DSpark drafter, drafting takes a quarter to half as long as the forward). `other_s` is an EWMA of
-    observed (step - forward - drafting) times of drafted steps and draft(R) the `DraftingGate`'s
-    measured drafting time for R requests, both from earlier steps only, so schedules stay
-    lossless. Confidences are rescaled by the observed / predicted acceptance of earlier steps
-    (`AcceptanceScale`). The same figures, with `plain_other_s` (the same EWMA over undrafted steps, whose
-    acceptance handles one token per request), let the gate skip drafting on steps that are
-    faster without it.
+    The profile times the verification forward alone, but a step that drafts also pays for
+    drafting and acceptance, costs that do not depend on the verify lengths chosen; leaving them
+    out overstates the relative cost of extra verification (on the CPU the SmolLM2 DSpark drafter
+    takes a quarter to half as long as the forward). `other_s` is an EWMA of (step - forward -
+    drafting) over drafted steps, `plain_other_s` the same over undrafted ones, draft(R) the
+    gate's measured drafting time; confidences are rescaled by the observed / predicted
+    acceptance of earlier steps (`AcceptanceScale`). All come from earlier steps only, so
+    schedules stay lossless; the same figures let the `DraftingGate` skip drafting on steps
+    that are faster without it.
     """
 
     overhead_alpha = 0.1
