@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -123,7 +124,7 @@ def run_serve_bench(
     for c in concurrencies:
         verify = {spec: build_policy(spec, sps=sps) for spec in policies}
         runs: dict[str, list[LoadPoint]] = {spec: [] for spec in policies}
-        per_run = max(-(-requests_per_level // rounds), 2 * c)
+        per_run = max(math.ceil(requests_per_level / rounds), 2 * c)
         for _ in range(rounds):
             for spec, policy in verify.items():
                 engine = base.sibling(base.drafter, policy, max_num_seqs=c)

@@ -44,7 +44,12 @@ class ConfidencePolicy(VerifyPolicy):
         if self._in_fallback:
             logger.info("%s: confidences usable again, leaving the static fallback", self.name)
             self._in_fallback = False
-        return self._schedule(confidences)
+        return self._schedule(self._prepare(confidences))
+
+    def _prepare(self, confidences: torch.Tensor) -> torch.Tensor:
+        """Usable confidences (CPU float64, finite) on their way to `_schedule`: a hook for
+        policies that adjust or record them."""
+        return confidences
 
     @staticmethod
     def _unusable(confidences: torch.Tensor | None) -> str | None:

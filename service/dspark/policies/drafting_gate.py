@@ -11,12 +11,12 @@ verifies no draft tokens.
 
 from __future__ import annotations
 
-import bisect
 from collections import deque
 
 import torch
 
-from dspark.policies.prefix_scheduler import SpsFn, survival_probabilities
+from dspark.policies.prefix_scheduler import SpsFn, early_stop, expected_throughputs, ranked_candidates
+from dspark.profiling.interpolation import interp_flat
 
 
 class DraftCost:
@@ -39,17 +39,12 @@ class DraftCost:
         """None until some drafting was measured."""
         if not self._seconds:
             return None
-        if num_requests in self._seconds:
+        if num_requests in self._seconds:  # the usual case, and a hot-path one
             return self._seconds[num_requests]
         known = sorted(self._seconds)
-        i = bisect.bisect_left(known, num_requests)
-        if i == 0:
-            return self._seconds[known[0]]
-        if i == len(known):
-            return self._seconds[known[-1]]
-        lo, hi = known[i - 1], known[i]
-        w = (num_requests - lo) / (hi - lo)
-        return self._seconds[lo] + w * (self._seconds[hi] - self._seconds[lo])
+        xp = torch.tensor(known, dtype=torch.float64)
+        fp = torch.tensor([self._seconds[r] for r in known], dtype=torch.float64)
+        return float(interp_flat(torch.tensor([float(num_requests)]), xp, fp)[0])
 
 
 class DraftingGate:
@@ -77,18 +72,20 @@ class DraftingGate:
         self.explore_every = explore_every
         self.memory_rows = memory_rows
         self._steps: deque[torch.Tensor] = deque()
+        self._pool: torch.Tensor | None = None  # the rows of `_steps`, built once per change
         self._skipped_in_a_row = 0
         self._explore_interval = explore_every
         self._explored = False
         self.skipped_steps = 0
 
     def remember(self, confidences: torch.Tensor) -> None:
-        """Finite confidences [R, w] of a step that drafted."""
+        """Finite confidences [R, w] (CPU float64) of a step that drafted."""
         if not confidences.numel():
             return
-        self._steps.append(confidences.detach().to("cpu", torch.float64))
+        self._steps.append(confidences)
         while sum(c.shape[0] for c in self._steps) - self._steps[0].shape[0] >= self.memory_rows:
             self._steps.popleft()
+        self._pool = None
 
     def should_draft(
         self, num_requests: int, forward_sps: SpsFn, other_s: float, plain_other_s: float | None
@@ -119,24 +116,24 @@ class DraftingGate:
 
     def pool(self) -> torch.Tensor:
         """The remembered rows, zero-padded to the widest (a position not drafted is not a candidate)."""
-        width = max(c.shape[1] for c in self._steps)
-        return torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1])) for c in self._steps])
+        if self._pool is None:
+            width = max(c.shape[1] for c in self._steps)
+            self._pool = torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1])) for c in self._steps])
+        return self._pool
 
     @staticmethod
     def expected_rate(pool: torch.Tensor, num_requests: int, forward_sps: SpsFn, fixed_s: float) -> float:
         """Expected tokens per second of a step of `num_requests` requests like the `pool` rows
         that spends `fixed_s` besides its forward and verifies by Algorithm 1."""
-        weight = num_requests / pool.shape[0]
-        values = torch.sort(survival_probabilities(pool).flatten(), descending=True).values
-        values = values[values > 0]
-        admitted = torch.arange(values.numel() + 1, dtype=torch.float64)
-        tokens = num_requests + weight * torch.cat([values.new_zeros(1), values.cumsum(0)])
-        # Fractional batch sizes: interpolate the forward time between the integers around them.
-        batch = num_requests + weight * admitted
-        low = batch.floor()
-        frac = batch - low
-        forward_s = 1.0 / forward_sps(torch.cat([low, low + 1]).long()).to(torch.float64)
-        forward_s = (1 - frac) * forward_s[: low.numel()] + frac * forward_s[low.numel() :]
-        rate = tokens / (fixed_s + forward_s)
-        taken = int((rate[1:] > rate[:-1]).long().cumprod(0).sum())  # Algorithm 1's early stop
-        return float(rate[taken])
+
+        def step_rate(batch: torch.Tensor) -> torch.Tensor:
+            # Fractional batch sizes: interpolate the forward time between the integers around them.
+            low = batch.floor()
+            frac = batch - low
+            forward_s = 1.0 / forward_sps(torch.cat([low, low + 1]).long()).to(torch.float64)
+            forward_s = (1 - frac) * forward_s[: low.numel()] + frac * forward_s[low.numel() :]
+            return 1.0 / (fixed_s + forward_s)
+
+        values, _ = ranked_candidates(pool)
+        theta = expected_throughputs(values, num_requests, step_rate, weight=num_requests / pool.shape[0])
+        return float(theta[early_stop(theta)])

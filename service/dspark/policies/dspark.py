@@ -48,7 +48,6 @@ class _SpsPolicy(ConfidencePolicy):
         self.gate = DraftingGate()
         self.acceptance = AcceptanceScale()
         self._forward_sps = table_lookup(self.sps)
-        self._sps_fn = self._step_rate(0.0)
         self._longest: int | None = None  # longest verify length of the previous drafted step
 
     def _step_rate(self, draft_s: float):
@@ -69,34 +68,31 @@ class _SpsPolicy(ConfidencePolicy):
 
     def schedule(self, confidences: torch.Tensor | None, gamma: int, num_requests: int) -> torch.Tensor:
         self._sps_fn = self._step_rate(self.gate.cost.seconds(num_requests) or 0.0)
-        usable = (
-            confidences is not None and confidences.dim() == 2 and bool(torch.isfinite(confidences).all())
-        )
-        if usable:
-            confidences = self.acceptance.apply(confidences.detach().to("cpu", torch.float64))
         lengths = super().schedule(confidences, gamma, num_requests)
         if num_requests:
             self._longest = int(lengths.max())
-            if usable:
-                self.gate.remember(confidences)
         return lengths
+
+    def _prepare(self, confidences: torch.Tensor) -> torch.Tensor:
+        confidences = self.acceptance.apply(confidences)
+        self.gate.remember(confidences)
+        return confidences
 
     def observe_step(self, stats: StepStats) -> None:
         if not isinstance(self.sps, OnlineSps):  # a fixed curve (refine=False) learns nothing
             return
         self.sps.observe(stats.verify_batch_tokens, stats.forward_time_s)
-        overhead_s = stats.step_time_s - stats.forward_time_s - stats.draft_time_s
+        other_s = stats.step_time_s - stats.forward_time_s - stats.draft_time_s
         if stats.drafted:
             self.gate.cost.observe(len(stats.verify_budgets), stats.draft_time_s)
             self.acceptance.observe(stats.predicted_accepted_tokens, stats.num_accepted_tokens)
-        if overhead_s < 0:
-            return
-        if stats.drafted:
-            self.other_s += self.overhead_alpha * (overhead_s - self.other_s)
-        elif self.plain_other_s is None:
-            self.plain_other_s = overhead_s
-        else:
-            self.plain_other_s += self.overhead_alpha * (overhead_s - self.plain_other_s)
+            if other_s >= 0:
+                self.other_s = self._ewma(self.other_s, other_s)
+        elif other_s >= 0:
+            self.plain_other_s = self._ewma(self.plain_other_s, other_s)
+
+    def _ewma(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.overhead_alpha * (new - old)
 
     def _on_skip(self) -> None:
         """This step does not draft (stateful policies record the gap)."""

@@ -22,7 +22,7 @@ def survival_probabilities(confidences: torch.Tensor) -> torch.Tensor:
     return confidences.to(torch.float64).clamp(0.0, 1.0).cumprod(dim=1)
 
 
-def _ranked(confidences: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def ranked_candidates(confidences: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidates best first: (survival values [M], request index [M])."""
     gamma = confidences.shape[1]
     values, order = torch.sort(survival_probabilities(confidences).flatten(), descending=True, stable=True)
@@ -35,13 +35,22 @@ def _lengths(rows: torch.Tensor, taken: torch.Tensor, num_requests: int) -> torc
     return torch.zeros(num_requests, dtype=torch.int64, device=rows.device).scatter_add_(0, rows, take.long())
 
 
-def _throughputs(values: torch.Tensor, num_requests: int, sps_fn: SpsFn) -> torch.Tensor:
-    """Theta after admitting 0, 1, ..., M ranked candidates; -inf past the last a > 0."""
+def expected_throughputs(
+    values: torch.Tensor, num_requests: int, sps_fn: SpsFn, weight: float = 1.0
+) -> torch.Tensor:
+    """Theta after admitting 0, 1, ..., M ranked candidates; -inf past the last a > 0. Each
+    candidate counts `weight` times (rows standing for more or fewer requests than they are)."""
     n = torch.arange(values.numel() + 1, device=values.device)
-    tau = num_requests + torch.cat([values.new_zeros(1), values.cumsum(0)])
-    theta = tau * sps_fn(num_requests + n).to(device=values.device, dtype=torch.float64)
+    tau = num_requests + weight * torch.cat([values.new_zeros(1), values.cumsum(0)])
+    theta = tau * sps_fn(num_requests + weight * n).to(device=values.device, dtype=torch.float64)
     theta[1:] = theta[1:].masked_fill(values <= 0, float("-inf"))
     return theta
+
+
+def early_stop(theta: torch.Tensor) -> torch.Tensor:
+    """How many candidates Algorithm 1 admits: greedy's best is always the previous Theta, so
+    "break at the first Theta <= best" is "count the leading strict increases"."""
+    return (theta[1:] > theta[:-1]).long().cumprod(0).sum()
 
 
 def schedule_prefix_greedy(confidences: torch.Tensor, sps_fn: SpsFn) -> torch.Tensor:
@@ -49,15 +58,13 @@ def schedule_prefix_greedy(confidences: torch.Tensor, sps_fn: SpsFn) -> torch.Te
 
     The early break makes it causal: whether candidate n is admitted depends only on the
     candidates ranked above it, never on a later a[r, j+1] that the sampled x[r, j] shaped
-    (paper Appendix A). Greedy's best always equals the previous Theta, so "break at the first
-    Theta <= best" is "count the leading strict increases".
+    (paper Appendix A).
     """
     num_requests, gamma = confidences.shape
     if num_requests == 0 or gamma == 0:
         return torch.zeros(num_requests, dtype=torch.int64, device=confidences.device)
-    values, rows = _ranked(confidences)
-    theta = _throughputs(values, num_requests, sps_fn)
-    taken = (theta[1:] > theta[:-1]).long().cumprod(0).sum()
+    values, rows = ranked_candidates(confidences)
+    taken = early_stop(expected_throughputs(values, num_requests, sps_fn))
     return _lengths(rows, taken, num_requests)
 
 
@@ -70,8 +77,8 @@ def schedule_global_argmax(confidences: torch.Tensor, sps_fn: SpsFn) -> torch.Te
     num_requests, gamma = confidences.shape
     if num_requests == 0 or gamma == 0:
         return torch.zeros(num_requests, dtype=torch.int64, device=confidences.device)
-    values, rows = _ranked(confidences)
-    taken = _throughputs(values, num_requests, sps_fn).argmax()
+    values, rows = ranked_candidates(confidences)
+    taken = expected_throughputs(values, num_requests, sps_fn).argmax()
     return _lengths(rows, taken, num_requests)
 
 
@@ -80,7 +87,7 @@ def topk_survival(confidences: torch.Tensor, k: int | torch.Tensor) -> torch.Ten
     num_requests, gamma = confidences.shape
     if num_requests == 0 or gamma == 0:
         return torch.zeros(num_requests, dtype=torch.int64, device=confidences.device)
-    values, rows = _ranked(confidences)
+    values, rows = ranked_candidates(confidences)
     taken = (values > 0).sum().clamp(min=0, max=k)
     return _lengths(rows, taken, num_requests)
 
