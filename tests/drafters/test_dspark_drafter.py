@@ -259,3 +259,19 @@ def test_horizon_drafts_the_same_first_positions(target):
     assert short.tokens.shape == (2, 3) and short.probs.shape == (2, 3, 1024)
     assert torch.equal(short.tokens, whole.tokens[:, :3])
     torch.testing.assert_close(short.confidences, whole.confidences[:, :3])
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_horizon_cut_heads_are_plain_matmuls(target, rows):
+    """A width-1 (or one-request) cut of the block is a view .contiguous() leaves alone; F.linear
+    on it went through a bmm over a broadcast copy of the whole head (5 ms a draft on the CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    drafter = load_drafter(str(FIXTURE / "draft_vanilla"), target.config)
+    requests = [make_request(f"r{i}", sequence(n + 1, seed=i), num_cached=n) for i, n in enumerate((9, 30)[:rows])]
+    drafter_with_context(drafter, target, requests)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        block = drafter.propose(requests, sampling_for(requests), horizon=1)
+    assert block.tokens.shape == (rows, 1)
+    ops = {event.key for event in prof.key_averages()}
+    assert "aten::mm" in ops and "aten::bmm" not in ops

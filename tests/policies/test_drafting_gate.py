@@ -31,6 +31,34 @@ def test_draft_cost_interpolates_between_measured_batch_sizes_and_is_flat_outsid
     assert 0.050 < cost.seconds(10) < 0.100
 
 
+def test_draft_cost_is_kept_per_horizon_with_the_per_batch_cost_as_fallback() -> None:
+    cost = DraftCost()
+    cost.observe(4, 0.004, horizon=1)
+    cost.observe(4, 0.008, horizon=7)
+    assert cost.seconds(4, 1) == pytest.approx(0.004) and cost.seconds(4, 7) == pytest.approx(0.008)
+    per_batch = cost.seconds(4)
+    assert 0.004 < per_batch < 0.008  # the EWMA over both horizons
+    assert cost.seconds(4, 3) == pytest.approx(per_batch)  # an unseen horizon
+    assert cost.seconds(8, 1) == pytest.approx(per_batch)  # an unseen batch size: flat past the end
+
+
+def test_gate_drafts_the_narrower_horizon_when_the_last_position_does_not_pay() -> None:
+    gate = DraftingGate()
+    # Position 2 is almost never accepted and drafting it costs 2 ms more.
+    gate.remember(torch.tensor([[0.9, 0.01]] * 16, dtype=torch.float64))
+    gate.cost.observe(16, 0.0002, horizon=1)
+    gate.cost.observe(16, 0.0022, horizon=2)
+    assert gate.draft_horizon(16, FORWARD, 0.001, 0.001, [1, 2]) == 1
+    # Position 2 as likely as position 1 and no dearer: the wider horizon.
+    gate.remember(torch.tensor([[0.9, 0.9]] * 64, dtype=torch.float64))
+    gate.cost.observe(16, 0.0002, horizon=2)
+    gate.cost._by_horizon[(16, 2)] = 0.0002
+    assert gate.draft_horizon(16, FORWARD, 0.001, 0.001, [1, 2]) == 2
+    # Neither beats plain decoding: skip.
+    gate.cost._by_horizon.update({(16, 1): 0.05, (16, 2): 0.05})
+    assert gate.draft_horizon(16, FORWARD, 0.001, 0.001, [1, 2]) == 0
+
+
 def test_gate_drafts_until_it_has_measured_costs_and_confidences() -> None:
     gate = DraftingGate()
     assert gate.should_draft(16, FORWARD, 0.001, 0.001)  # nothing measured

@@ -163,3 +163,15 @@ def test_draft_horizon_is_one_past_the_previous_longest_length(make) -> None:
     high = torch.full((16, 1), 0.99, dtype=torch.float64)
     longest = int(policy.schedule(high, 1, 16).max())
     assert longest == 1 and policy.max_length(6) == 2  # grows by one per step
+
+
+@pytest.mark.parametrize("make", [DSparkPolicy, DSparkAsyncPolicy])
+def test_a_skipped_step_keeps_the_draft_horizon(make) -> None:
+    """Not drafting one step says nothing about how far to draft the next: no full-block redraft."""
+    policy = make(PROFILE, refine=False)
+    two = torch.tensor([[0.99, 0.99] + [0.001] * 5] * 16, dtype=torch.float64)
+    assert int(policy.schedule(two, 7, 16).max()) == 2
+    policy.gate.cost.observe(16, 1e-6)
+    assert policy.max_length(7, 16) == 0  # the gate measures one undrafted step first
+    policy.plain_other_s = 1e-4
+    assert policy.max_length(7, 16) in (2, 3)

@@ -218,6 +218,7 @@ class LLMEngine:
             self._stats.predicted_accepted_tokens = float(survival[verified].sum())
         lengths = lengths.tolist()
         self._stats.drafted, self._stats.draft_time_s = True, t1 - t0
+        self._stats.draft_horizon = width
         self._stats.schedule_time_s = time.perf_counter() - t1
         return Draft(block, lengths)
 

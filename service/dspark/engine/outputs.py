@@ -60,6 +60,7 @@ class StepStats:
     predicted_accepted_tokens: float | None = None  # sum of survival a_{r,j} over verified positions
     policy_fallback: bool = False  # unusable confidences: the policy fell back to a fixed length
     drafted: bool = False  # the drafter ran this step
+    draft_horizon: int = 0  # positions drafted per request
     draft_time_s: float = 0.0
     schedule_time_s: float = 0.0
     forward_time_s: float = 0.0

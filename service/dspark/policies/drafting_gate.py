@@ -12,6 +12,7 @@ verifies no draft tokens.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
 import torch
 
@@ -20,31 +21,42 @@ from dspark.profiling.interpolation import interp_flat
 
 
 class DraftCost:
-    """Seconds one drafting call takes for R requests: an EWMA per observed R, interpolated
-    linearly between observed R (flat past either end, so an unseen larger batch looks cheap,
-    gets drafted once, and is then measured)."""
+    """Seconds one drafting call takes for R requests and a horizon of h positions: an EWMA per
+    observed (R, h); for an unseen pair, an EWMA per R over all horizons, interpolated linearly
+    between observed R (flat past either end, so an unseen larger batch looks cheap, gets
+    drafted once, and is then measured). The horizon matters: DSpark's backbone always runs
+    whole, but its sequential head, and every EAGLE-3 step, scale with it."""
 
     alpha = 0.2
 
     def __init__(self) -> None:
         self._seconds: dict[int, float] = {}
+        self._by_horizon: dict[tuple[int, int], float] = {}
 
-    def observe(self, num_requests: int, seconds: float) -> None:
+    def observe(self, num_requests: int, seconds: float, horizon: int | None = None) -> None:
         if num_requests < 1 or not seconds > 0:
             return
-        old = self._seconds.get(num_requests)
-        self._seconds[num_requests] = seconds if old is None else old + self.alpha * (seconds - old)
+        self._seconds[num_requests] = self._ewma(self._seconds.get(num_requests), seconds)
+        if horizon:
+            key = (num_requests, horizon)
+            self._by_horizon[key] = self._ewma(self._by_horizon.get(key), seconds)
 
-    def seconds(self, num_requests: int) -> float | None:
+    def seconds(self, num_requests: int, horizon: int | None = None) -> float | None:
         """None until some drafting was measured."""
         if not self._seconds:
             return None
-        if num_requests in self._seconds:  # the usual case, and a hot-path one
+        exact = self._by_horizon.get((num_requests, horizon))
+        if exact is not None:  # the usual case, and a hot-path one
+            return exact
+        if num_requests in self._seconds:
             return self._seconds[num_requests]
         known = sorted(self._seconds)
         xp = torch.tensor(known, dtype=torch.float64)
         fp = torch.tensor([self._seconds[r] for r in known], dtype=torch.float64)
         return float(interp_flat(torch.tensor([float(num_requests)]), xp, fp)[0])
+
+    def _ewma(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.alpha * (new - old)
 
 
 class DraftingGate:
@@ -66,13 +78,14 @@ class DraftingGate:
     8x), so a load where drafting clearly does not pay spends little on checking.
     """
 
-    def __init__(self, explore_every: int = 32, memory_rows: int = 64, min_gain: float = 0.03) -> None:
+    def __init__(self, explore_every: int = 32, memory_rows: int = 64, min_gain: float = 0.01) -> None:
         self.cost = DraftCost()
         self.min_gain = min_gain
         self.explore_every = explore_every
         self.memory_rows = memory_rows
         self._steps: deque[torch.Tensor] = deque()
         self._pool: torch.Tensor | None = None  # the rows of `_steps`, built once per change
+        self._ranked: dict[int, torch.Tensor] = {}  # horizon -> the pool's ranked survival values
         self._skipped_in_a_row = 0
         self._explore_interval = explore_every
         self._explored = False
@@ -86,33 +99,60 @@ class DraftingGate:
         while sum(c.shape[0] for c in self._steps) - self._steps[0].shape[0] >= self.memory_rows:
             self._steps.popleft()
         self._pool = None
+        self._ranked.clear()
 
     def should_draft(
-        self, num_requests: int, forward_sps: SpsFn, other_s: float, plain_other_s: float | None
+        self,
+        num_requests: int,
+        forward_sps: SpsFn,
+        other_s: float,
+        plain_other_s: float | None,
+        horizon: int | None = None,
     ) -> bool:
-        """`other_s`: the rest of a drafted step besides drafting and the forward; `plain_other_s`:
-        the same for an undrafted step, None until one is measured (the gate then skips one step
-        to measure it)."""
-        draft_s = self.cost.seconds(num_requests)
-        if num_requests < 1 or draft_s is None or not self._steps:
-            return True
+        """Whether drafting `horizon` positions (default: as many as the remembered rows hold)
+        beats not drafting; see `draft_horizon`."""
+        width = horizon or (self.pool().shape[1] if self._steps else 1)
+        return self.draft_horizon(num_requests, forward_sps, other_s, plain_other_s, [width]) > 0
+
+    def draft_horizon(
+        self,
+        num_requests: int,
+        forward_sps: SpsFn,
+        other_s: float,
+        plain_other_s: float | None,
+        horizons: Sequence[int],
+    ) -> int:
+        """The horizon among `horizons` with the highest expected rate, or 0 when no horizon beats
+        not drafting by `min_gain`. `other_s`: the rest of a drafted step besides drafting and the
+        forward; `plain_other_s`: the same for an undrafted step, None until one is measured (the
+        gate then skips one step to measure it). Forced drafting takes the widest horizon."""
+        widest = max(horizons)
+        if num_requests < 1 or self.cost.seconds(num_requests, widest) is None or not self._steps:
+            return widest
         if self._skipped_in_a_row >= self._explore_interval:
             self._skipped_in_a_row, self._explored = 0, True
-            return True
+            return widest
         explored, self._explored = self._explored, False
         if plain_other_s is None:
             self.skipped_steps += 1
-            return False
-        with_draft = self.expected_rate(self.pool(), num_requests, forward_sps, other_s + draft_s)
+            return 0
         without = num_requests / (plain_other_s + 1.0 / float(forward_sps(torch.tensor([num_requests]))[0]))
-        if with_draft > without * (1.0 + self.min_gain):
+        best, best_rate = 0, without * (1.0 + self.min_gain)
+        for h in sorted(horizons):  # ties go to the cheaper, narrower horizon
+            if h not in self._ranked:
+                self._ranked[h] = ranked_candidates(self.pool()[:, :h])[0]
+            fixed_s = other_s + self.cost.seconds(num_requests, h)
+            rate = self.ranked_rate(self._ranked[h], self.pool().shape[0], num_requests, forward_sps, fixed_s)
+            if rate > best_rate:
+                best, best_rate = h, rate
+        if best:
             self._skipped_in_a_row, self._explore_interval = 0, self.explore_every
-            return True
+            return best
         if explored:
             self._explore_interval = min(2 * self._explore_interval, 8 * self.explore_every)
         self._skipped_in_a_row += 1
         self.skipped_steps += 1
-        return False
+        return 0
 
     def pool(self) -> torch.Tensor:
         """The remembered rows, zero-padded to the widest (a position not drafted is not a candidate)."""
@@ -125,6 +165,14 @@ class DraftingGate:
     def expected_rate(pool: torch.Tensor, num_requests: int, forward_sps: SpsFn, fixed_s: float) -> float:
         """Expected tokens per second of a step of `num_requests` requests like the `pool` rows
         that spends `fixed_s` besides its forward and verifies by Algorithm 1."""
+        values = ranked_candidates(pool)[0]
+        return DraftingGate.ranked_rate(values, pool.shape[0], num_requests, forward_sps, fixed_s)
+
+    @staticmethod
+    def ranked_rate(
+        values: torch.Tensor, rows: int, num_requests: int, forward_sps: SpsFn, fixed_s: float
+    ) -> float:
+        """`expected_rate` from the pool's ranked survival values (`ranked_candidates`) and row count."""
 
         def step_rate(batch: torch.Tensor) -> torch.Tensor:
             # Fractional batch sizes: interpolate the forward time between the integers around them.
@@ -134,6 +182,5 @@ class DraftingGate:
             forward_s = (1 - frac) * forward_s[: low.numel()] + frac * forward_s[low.numel() :]
             return 1.0 / (fixed_s + forward_s)
 
-        values, _ = ranked_candidates(pool)
-        theta = expected_throughputs(values, num_requests, step_rate, weight=num_requests / pool.shape[0])
+        theta = expected_throughputs(values, num_requests, step_rate, weight=num_requests / rows)
         return float(theta[early_stop(theta)])

@@ -55,19 +55,25 @@ class _SpsPolicy(ConfidencePolicy):
         return lambda b: 1.0 / (fixed_s + 1.0 / self._forward_sps(b))
 
     def max_length(self, gamma: int, num_requests: int = 1) -> int:
-        """0 when the gate finds this step faster without drafting; else one position past the
-        previous step's longest verify length (all of gamma at first): drafting what the
-        scheduler will not verify only costs time. Both depend on earlier steps only, so every
-        schedule stays lossless; the horizon can grow by one per step."""
-        if not self.gate.should_draft(num_requests, self._forward_sps, self.other_s, self.plain_other_s):
-            # The next drafted step drafts the whole block, so the gate judges full-width rows.
-            self._longest = None
+        """0 when the gate finds this step faster without drafting; else the horizon h or h - 1,
+        whichever the gate expects to be faster, where h is one past the previous step's longest
+        verify length (all of gamma at first): drafting what the scheduler will not verify only
+        costs time, so the horizon can grow by one per step and shrink when its last position
+        does not pay for itself. Both depend on earlier steps only, so schedules stay lossless."""
+        widest = gamma if self._longest is None else min(gamma, self._longest + 1)
+        horizon = self.gate.draft_horizon(
+            num_requests,
+            self._forward_sps,
+            self.other_s,
+            self.plain_other_s,
+            range(max(1, widest - 1), widest + 1),
+        )
+        if not horizon:
             self._on_skip()
-            return 0
-        return gamma if self._longest is None else min(gamma, self._longest + 1)
+        return horizon
 
     def schedule(self, confidences: torch.Tensor | None, gamma: int, num_requests: int) -> torch.Tensor:
-        self._sps_fn = self._step_rate(self.gate.cost.seconds(num_requests) or 0.0)
+        self._sps_fn = self._step_rate(self.gate.cost.seconds(num_requests, gamma) or 0.0)
         lengths = super().schedule(confidences, gamma, num_requests)
         if num_requests:
             self._longest = int(lengths.max())
@@ -84,7 +90,7 @@ class _SpsPolicy(ConfidencePolicy):
         self.sps.observe(stats.verify_batch_tokens, stats.forward_time_s)
         other_s = stats.step_time_s - stats.forward_time_s - stats.draft_time_s
         if stats.drafted:
-            self.gate.cost.observe(len(stats.verify_budgets), stats.draft_time_s)
+            self.gate.cost.observe(len(stats.verify_budgets), stats.draft_time_s, stats.draft_horizon)
             self.acceptance.observe(stats.predicted_accepted_tokens, stats.num_accepted_tokens)
             if other_s >= 0:
                 self.other_s = self._ewma(self.other_s, other_s)
