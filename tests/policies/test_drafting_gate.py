@@ -59,6 +59,15 @@ def test_gate_drafts_the_narrower_horizon_when_the_last_position_does_not_pay() 
     assert gate.draft_horizon(16, FORWARD, 0.001, 0.001, [1, 2]) == 0
 
 
+def test_gate_drafts_a_horizon_wider_than_its_rows_when_drafting_pays_so_it_gets_judged() -> None:
+    gate = DraftingGate()
+    gate.remember(torch.full((16, 2), 0.9, dtype=torch.float64))
+    gate.cost.observe(16, 0.0002, horizon=2)
+    assert gate.draft_horizon(16, FORWARD, 0.001, 0.001, [2, 3]) == 3
+    gate.cost._by_horizon[(16, 2)] = gate.cost._seconds[16] = 0.05  # drafting does not pay at all
+    assert gate.draft_horizon(16, FORWARD, 0.001, 0.001, [2, 3]) == 0
+
+
 def test_gate_drafts_until_it_has_measured_costs_and_confidences() -> None:
     gate = DraftingGate()
     assert gate.should_draft(16, FORWARD, 0.001, 0.001)  # nothing measured

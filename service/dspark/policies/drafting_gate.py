@@ -70,7 +70,7 @@ class DraftingGate:
     steps (accepting drafted tokens costs more; charging that to plain steps biased the gate
     towards drafting).
 
-    Drafting must promise `min_gain` (3%) more: near break-even the estimates' noise would
+    Drafting must promise `min_gain` (1%) more: near break-even the estimates' noise would
     otherwise flip the decision step by step for no expected gain. Unknown costs or no
     confidences yet: draft; no undrafted step measured yet: skip one (that is how they get
     measured). After `explore_every` skipped steps in a row one step drafts anyway, to refresh
@@ -137,8 +137,10 @@ class DraftingGate:
             self.skipped_steps += 1
             return 0
         without = num_requests / (plain_other_s + 1.0 / float(forward_sps(torch.tensor([num_requests]))[0]))
+        # Horizons past the remembered rows' width have no confidences to judge them by.
+        width = self.pool().shape[1]
         best, best_rate = 0, without * (1.0 + self.min_gain)
-        for h in sorted(horizons):  # ties go to the cheaper, narrower horizon
+        for h in sorted({min(h, width) for h in horizons}):  # ties go to the cheaper, narrower one
             if h not in self._ranked:
                 self._ranked[h] = ranked_candidates(self.pool()[:, :h])[0]
             fixed_s = other_s + self.cost.seconds(num_requests, h)
@@ -147,7 +149,8 @@ class DraftingGate:
                 best, best_rate = h, rate
         if best:
             self._skipped_in_a_row, self._explore_interval = 0, self.explore_every
-            return best
+            # A wider horizon offered than the rows cover: draft it, so its positions get judged.
+            return widest if widest > width else best
         if explored:
             self._explore_interval = min(2 * self._explore_interval, 8 * self.explore_every)
         self._skipped_in_a_row += 1
