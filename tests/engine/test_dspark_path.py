@@ -61,6 +61,7 @@ def test_steps_the_gate_skips_keep_greedy_output(engines, policy):
     expected = [r.token_ids for r in plain.generate(prompts, GREEDY)]
     verify_policy = build_policy(policy, sps=synthetic_profile(max_batch_tokens=512))
     verify_policy.gate.explore_every = 2  # mix drafted and skipped steps
+    verify_policy.gate.memory_rows = 1  # judge from the first drafted step on
     for r in range(1, 9):
         verify_policy.gate.cost.observe(r, 100.0)
     engine = plain.sibling(drafter, verify_policy)

@@ -31,40 +31,40 @@ def test_draft_cost_interpolates_between_measured_batch_sizes_and_is_flat_outsid
     assert 0.050 < cost.seconds(10) < 0.100
 
 
-def test_draft_cost_is_kept_per_horizon_with_the_per_batch_cost_as_fallback() -> None:
+def test_draft_cost_is_kept_per_horizon_and_interpolated_between_horizons() -> None:
     cost = DraftCost()
     cost.observe(4, 0.004, horizon=1)
     cost.observe(4, 0.008, horizon=7)
     assert cost.seconds(4, 1) == pytest.approx(0.004) and cost.seconds(4, 7) == pytest.approx(0.008)
+    assert cost.seconds(4, 4) == pytest.approx(0.006)  # an unseen horizon: between its neighbours
+    assert cost.seconds(4, 15) == pytest.approx(0.008)  # flat past the widest
     per_batch = cost.seconds(4)
     assert 0.004 < per_batch < 0.008  # the EWMA over both horizons
-    assert cost.seconds(4, 3) == pytest.approx(per_batch)  # an unseen horizon
     assert cost.seconds(8, 1) == pytest.approx(per_batch)  # an unseen batch size: flat past the end
 
 
 def test_gate_drafts_the_narrower_horizon_when_the_last_position_does_not_pay() -> None:
-    gate = DraftingGate()
+    gate = DraftingGate(memory_rows=16)
     # Position 2 is almost never accepted and drafting it costs 2 ms more.
     gate.remember(torch.tensor([[0.9, 0.01]] * 16, dtype=torch.float64))
     gate.cost.observe(16, 0.0002, horizon=1)
     gate.cost.observe(16, 0.0022, horizon=2)
     assert gate.draft_horizon(16, FORWARD, 0.001, 0.001, [1, 2]) == 1
     # Position 2 as likely as position 1 and no dearer: the wider horizon.
-    gate.remember(torch.tensor([[0.9, 0.9]] * 64, dtype=torch.float64))
-    gate.cost.observe(16, 0.0002, horizon=2)
-    gate.cost._by_horizon[(16, 2)] = 0.0002
+    gate.remember(torch.tensor([[0.9, 0.9]] * 16, dtype=torch.float64))
+    gate.cost._by_horizon[16][2] = 0.0002
     assert gate.draft_horizon(16, FORWARD, 0.001, 0.001, [1, 2]) == 2
     # Neither beats plain decoding: skip.
-    gate.cost._by_horizon.update({(16, 1): 0.05, (16, 2): 0.05})
+    gate.cost._by_horizon[16].update({1: 0.05, 2: 0.05})
     assert gate.draft_horizon(16, FORWARD, 0.001, 0.001, [1, 2]) == 0
 
 
 def test_gate_drafts_a_horizon_wider_than_its_rows_when_drafting_pays_so_it_gets_judged() -> None:
-    gate = DraftingGate()
+    gate = DraftingGate(memory_rows=16)
     gate.remember(torch.full((16, 2), 0.9, dtype=torch.float64))
     gate.cost.observe(16, 0.0002, horizon=2)
     assert gate.draft_horizon(16, FORWARD, 0.001, 0.001, [2, 3]) == 3
-    gate.cost._by_horizon[(16, 2)] = gate.cost._seconds[16] = 0.05  # drafting does not pay at all
+    gate.cost._by_horizon[16][2] = 0.05  # drafting does not pay at all
     assert gate.draft_horizon(16, FORWARD, 0.001, 0.001, [2, 3]) == 0
 
 
@@ -76,13 +76,24 @@ def test_gate_drafts_until_it_has_measured_costs_and_confidences() -> None:
     assert gate.skipped_steps == 0
 
 
+def test_gate_drafts_until_it_remembers_memory_rows_of_confidences() -> None:
+    """One unlucky first draft (or a cold first drafting time) must not switch drafting off."""
+    gate = DraftingGate(memory_rows=64)
+    gate.cost.observe(16, 0.005)  # twice the forward
+    for _ in range(3):
+        gate.remember(torch.full((16, 7), 0.3, dtype=torch.float64))
+        assert gate.should_draft(16, FORWARD, 0.001, 0.001)
+    gate.remember(torch.full((16, 7), 0.3, dtype=torch.float64))  # 64 rows: judged now
+    assert not gate.should_draft(16, FORWARD, 0.001, 0.001)
+
+
 def test_gate_skips_expensive_drafting_of_unlikely_tokens_and_keeps_cheap_likely_drafts() -> None:
-    expensive = DraftingGate()
+    expensive = DraftingGate(memory_rows=16)
     expensive.cost.observe(16, 0.005)  # twice the forward
     expensive.remember(torch.full((16, 7), 0.3, dtype=torch.float64))
     assert not expensive.should_draft(16, FORWARD, 0.001, 0.001)
 
-    cheap = DraftingGate()
+    cheap = DraftingGate(memory_rows=16)
     cheap.cost.observe(16, 0.0002)
     cheap.remember(torch.full((16, 7), 0.9, dtype=torch.float64))
     assert cheap.should_draft(16, FORWARD, 0.001, 0.001)
@@ -95,7 +106,7 @@ def test_gate_decision_matches_the_expected_rates() -> None:
     plain = 8 / (other + 1 / float(FORWARD(torch.tensor([8]))[0]))
     decisions = []
     for draft_s in (1e-4, 1e-3, 3e-3, 1e-2, 3e-2):
-        gate = DraftingGate()
+        gate = DraftingGate(memory_rows=8)
         gate.cost.observe(8, draft_s)
         gate.remember(conf)
         expected = DraftingGate.expected_rate(conf, 8, FORWARD, other + draft_s) > plain * (1 + gate.min_gain)
@@ -122,7 +133,7 @@ def test_expected_rate_is_algorithm_1s_objective_on_the_pooled_rows() -> None:
 
 
 def test_gate_explores_after_a_run_of_skipped_steps() -> None:
-    gate = DraftingGate(explore_every=3)
+    gate = DraftingGate(explore_every=3, memory_rows=16)
     gate.cost.observe(16, 0.01)
     gate.remember(torch.full((16, 7), 0.1, dtype=torch.float64))
     decisions = [gate.should_draft(16, FORWARD, 0.001, 0.001) for _ in range(25)]
@@ -152,6 +163,7 @@ def test_pool_keeps_the_newest_steps_covering_memory_rows_zero_padded() -> None:
 @pytest.mark.parametrize("make", [DSparkPolicy, DSparkAsyncPolicy])
 def test_policies_stop_drafting_when_drafting_costs_more_than_it_returns(make) -> None:
     policy = make(PROFILE)
+    policy.gate.memory_rows = 16  # one step's rows are enough evidence here
     low = torch.full((16, 7), 0.2, dtype=torch.float64)
     assert policy.max_length(7, 16) == 7  # nothing measured: draft
     policy.schedule(low, 7, 16)
@@ -169,13 +181,14 @@ def test_policies_stop_drafting_when_drafting_costs_more_than_it_returns(make) -
 
 def test_async_policy_warms_up_again_after_skipped_steps() -> None:
     policy = DSparkAsyncPolicy(PROFILE)
+    policy.gate.memory_rows = 16  # one step's rows are enough evidence here
     high = torch.full((16, 7), 0.9, dtype=torch.float64)
     for _ in range(3):
         policy.schedule(high, 7, 16)
     warm = policy.warmup_steps
     policy.gate.cost.observe(16, 1.0)
     assert policy.max_length(7, 16) == 0
-    policy.gate = DraftingGate()  # nothing measured again: drafts
+    policy.gate = DraftingGate(memory_rows=16)  # nothing measured again: drafts
     assert policy.max_length(7, 16) > 0
     policy.schedule(high, 7, 16)  # capacity from the step before the skip
     assert policy.warmup_steps == warm == 2
@@ -185,6 +198,7 @@ def test_async_policy_warms_up_again_after_skipped_steps() -> None:
 
 def test_plain_steps_overhead_is_measured_on_a_skipped_step_and_used_for_the_comparison() -> None:
     policy = DSparkPolicy(PROFILE)
+    policy.gate.memory_rows = 16  # one step's rows are enough evidence here
     high = torch.full((16, 7), 0.6, dtype=torch.float64)
     assert policy.max_length(7, 16) == 7
     policy.schedule(high, 7, 16)
@@ -216,6 +230,7 @@ def test_acceptance_scale_tracks_observed_over_predicted_and_rescales_survival()
 def test_over_confident_drafts_stop_being_verified_and_drafted() -> None:
     """Steps whose drafts are accepted far less often than predicted teach the policy to verify less."""
     policy = DSparkPolicy(PROFILE)
+    policy.gate.memory_rows = 16  # one step's rows are enough evidence here
     conf = torch.full((16, 7), 0.8, dtype=torch.float64)
     before = int(policy.schedule(conf, 7, 16).sum())
     for _ in range(100):

@@ -169,6 +169,7 @@ def test_draft_horizon_is_one_past_the_previous_longest_length(make) -> None:
 def test_a_skipped_step_keeps_the_draft_horizon(make) -> None:
     """Not drafting one step says nothing about how far to draft the next: no full-block redraft."""
     policy = make(PROFILE, refine=False)
+    policy.gate.memory_rows = 16
     two = torch.tensor([[0.99, 0.99] + [0.001] * 5] * 16, dtype=torch.float64)
     assert int(policy.schedule(two, 7, 16).max()) == 2
     policy.gate.cost.observe(16, 1e-6)

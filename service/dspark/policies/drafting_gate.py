@@ -20,43 +20,51 @@ from dspark.policies.prefix_scheduler import SpsFn, early_stop, expected_through
 from dspark.profiling.interpolation import interp_flat
 
 
+def ewma(old: float | None, new: float, alpha: float) -> float:
+    """Exponentially weighted moving average; the first value starts it."""
+    return new if old is None else old + alpha * (new - old)
+
+
 class DraftCost:
     """Seconds one drafting call takes for R requests and a horizon of h positions: an EWMA per
-    observed (R, h); for an unseen pair, an EWMA per R over all horizons, interpolated linearly
-    between observed R (flat past either end, so an unseen larger batch looks cheap, gets
-    drafted once, and is then measured). The horizon matters: DSpark's backbone always runs
-    whole, but its sequential head, and every EAGLE-3 step, scale with it."""
+    observed (R, h). An unseen horizon is interpolated between the horizons measured at R, an
+    unseen R between the per-R EWMAs over all horizons; both flat past either end, so an unseen
+    larger batch looks cheap, gets drafted once, and is then measured. The horizon matters:
+    DSpark's backbone always runs whole, but its sequential head, and every EAGLE-3 step, scale
+    with it."""
 
     alpha = 0.2
 
     def __init__(self) -> None:
         self._seconds: dict[int, float] = {}
-        self._by_horizon: dict[tuple[int, int], float] = {}
+        self._by_horizon: dict[int, dict[int, float]] = {}  # R -> horizon -> seconds
 
     def observe(self, num_requests: int, seconds: float, horizon: int | None = None) -> None:
         if num_requests < 1 or not seconds > 0:
             return
-        self._seconds[num_requests] = self._ewma(self._seconds.get(num_requests), seconds)
+        self._seconds[num_requests] = ewma(self._seconds.get(num_requests), seconds, self.alpha)
         if horizon:
-            key = (num_requests, horizon)
-            self._by_horizon[key] = self._ewma(self._by_horizon.get(key), seconds)
+            at_r = self._by_horizon.setdefault(num_requests, {})
+            at_r[horizon] = ewma(at_r.get(horizon), seconds, self.alpha)
 
     def seconds(self, num_requests: int, horizon: int | None = None) -> float | None:
         """None until some drafting was measured."""
         if not self._seconds:
             return None
-        exact = self._by_horizon.get((num_requests, horizon))
-        if exact is not None:  # the usual case, and a hot-path one
-            return exact
+        at_r = self._by_horizon.get(num_requests)
+        if at_r and horizon:
+            exact = at_r.get(horizon)
+            return exact if exact is not None else _interp(at_r, horizon)  # the first: the hot path
         if num_requests in self._seconds:
             return self._seconds[num_requests]
-        known = sorted(self._seconds)
-        xp = torch.tensor(known, dtype=torch.float64)
-        fp = torch.tensor([self._seconds[r] for r in known], dtype=torch.float64)
-        return float(interp_flat(torch.tensor([float(num_requests)]), xp, fp)[0])
+        return _interp(self._seconds, num_requests)
 
-    def _ewma(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.alpha * (new - old)
+
+def _interp(table: dict[int, float], x: int) -> float:
+    known = sorted(table)
+    xp = torch.tensor(known, dtype=torch.float64)
+    fp = torch.tensor([table[k] for k in known], dtype=torch.float64)
+    return float(interp_flat(torch.tensor([float(x)]), xp, fp)[0])
 
 
 class DraftingGate:
@@ -127,7 +135,9 @@ class DraftingGate:
         forward; `plain_other_s`: the same for an undrafted step, None until one is measured (the
         gate then skips one step to measure it). Forced drafting takes the widest horizon."""
         widest = max(horizons)
-        if num_requests < 1 or self.cost.seconds(num_requests, widest) is None or not self._steps:
+        if num_requests < 1 or self.cost.seconds(num_requests, widest) is None:
+            return widest
+        if sum(c.shape[0] for c in self._steps) < self.memory_rows:  # too little evidence yet
             return widest
         if self._skipped_in_a_row >= self._explore_interval:
             self._skipped_in_a_row, self._explored = 0, True

@@ -9,7 +9,7 @@ import torch
 from dspark.engine.outputs import StepStats
 from dspark.policies.acceptance_scale import AcceptanceScale
 from dspark.policies.confidence import ConfidencePolicy
-from dspark.policies.drafting_gate import DraftingGate
+from dspark.policies.drafting_gate import DraftingGate, ewma
 from dspark.policies.prefix_scheduler import schedule_global_argmax, schedule_prefix_greedy, topk_survival
 from dspark.profiling.online import OnlineSps
 from dspark.profiling.sps_profile import SpsCurve, SpsProfile, table_lookup
@@ -93,12 +93,9 @@ class _SpsPolicy(ConfidencePolicy):
             self.gate.cost.observe(len(stats.verify_budgets), stats.draft_time_s, stats.draft_horizon)
             self.acceptance.observe(stats.predicted_accepted_tokens, stats.num_accepted_tokens)
             if other_s >= 0:
-                self.other_s = self._ewma(self.other_s, other_s)
+                self.other_s = ewma(self.other_s, other_s, self.overhead_alpha)
         elif other_s >= 0:
-            self.plain_other_s = self._ewma(self.plain_other_s, other_s)
-
-    def _ewma(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.overhead_alpha * (new - old)
+            self.plain_other_s = ewma(self.plain_other_s, other_s, self.overhead_alpha)
 
     def _on_skip(self) -> None:
         """This step does not draft (stateful policies record the gap)."""
