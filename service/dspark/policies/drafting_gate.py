@@ -70,18 +70,18 @@ def _interp(table: dict[int, float], x: int) -> float:
 class DraftingGate:
     """Drafts a step only when R requests are expected to decode faster with drafting.
 
-    With drafting: Algorithm 1's objective at its early stop, over the confidence rows of recent
-    drafted steps (at least `memory_rows`) standing in for the R requests, each row weighted
-    R / rows: tau = R + w * (admitted survival), in a step of other + draft(R) + 1 / SPS(R + w *
-    admitted). A pool rather than the last step's rows keeps one unlucky draft from switching
-    drafting off. Without: R tokens in other' + 1 / SPS(R), where other' is measured on undrafted
+    With drafting h positions: Algorithm 1's objective at its early stop, over the first h
+    confidences of recent drafted steps' rows (at least `memory_rows`) standing in for the R
+    requests, each row weighted R / rows: tau = R + w * (admitted survival), in a step of
+    other + draft(R, h) + 1 / SPS(R + w * admitted). A pool rather than the last step's rows
+    keeps one unlucky draft from switching drafting off. Without: R tokens in other' + 1 / SPS(R), where other' is measured on undrafted
     steps (accepting drafted tokens costs more; charging that to plain steps biased the gate
     towards drafting).
 
     Drafting must promise `min_gain` (1%) more: near break-even the estimates' noise would
-    otherwise flip the decision step by step for no expected gain. Unknown costs or no
-    confidences yet: draft; no undrafted step measured yet: skip one (that is how they get
-    measured). After `explore_every` skipped steps in a row one step drafts anyway, to refresh
+    otherwise flip the decision step by step for no expected gain. Unknown costs or fewer than
+    `memory_rows` rows remembered: draft; no undrafted step measured yet: skip one (that is how
+    they get measured). After `explore_every` skipped steps in a row one step drafts anyway, to refresh
     the pool and the cost; each exploration that changes nothing doubles that interval (up to
     8x), so a load where drafting clearly does not pay spends little on checking.
     """
