@@ -13,6 +13,7 @@ def step_stats(
     drafted_requests: int = 0,
     predicted: float | None = None,
     accepted: int = 0,
+    prefill_tokens: int = 0,
 ) -> StepStats:
     """A decode step: `drafted_requests` > 0 means the drafter ran for that many requests."""
     requests = max(drafted_requests, 1)
@@ -25,4 +26,5 @@ def step_stats(
         step_time_s=forward_s + draft_s + other_s,
         predicted_accepted_tokens=predicted,
         num_accepted_tokens=accepted,
+        num_prefill_tokens=prefill_tokens,
     )

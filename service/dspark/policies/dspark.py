@@ -87,14 +87,18 @@ class _SpsPolicy(ConfidencePolicy):
     def observe_step(self, stats: StepStats) -> None:
         if not isinstance(self.sps, OnlineSps):  # a fixed curve (refine=False) learns nothing
             return
-        self.sps.observe(stats.verify_batch_tokens, stats.forward_time_s)
-        other_s = stats.step_time_s - stats.forward_time_s - stats.draft_time_s
+        # The forward also carried this step's prefill chunks: time it against all its tokens
+        # (timing it against the decode tokens alone taught small B the prefill's cost).
+        self.sps.observe(stats.verify_batch_tokens + stats.num_prefill_tokens, stats.forward_time_s)
         if stats.drafted:
             self.gate.cost.observe(len(stats.verify_budgets), stats.draft_time_s, stats.draft_horizon)
             self.acceptance.observe(stats.predicted_accepted_tokens, stats.num_accepted_tokens)
-            if other_s >= 0:
-                self.other_s = ewma(self.other_s, other_s, self.overhead_alpha)
-        elif other_s >= 0:
+        other_s = stats.step_time_s - stats.forward_time_s - stats.draft_time_s
+        if stats.num_prefill_tokens or other_s < 0:  # prefills add their own cache commits
+            return
+        if stats.drafted:
+            self.other_s = ewma(self.other_s, other_s, self.overhead_alpha)
+        else:
             self.plain_other_s = ewma(self.plain_other_s, other_s, self.overhead_alpha)
 
     def _on_skip(self) -> None:
