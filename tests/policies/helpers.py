@@ -15,7 +15,8 @@ def step_stats(
     accepted: int = 0,
     prefill_tokens: int = 0,
 ) -> StepStats:
-    """A decode step: `drafted_requests` > 0 means the drafter ran for that many requests."""
+    """A decode step: `drafted_requests` > 0 means the drafter ran for that many requests; its
+    `predicted` and `accepted` tokens all count at the first block position."""
     requests = max(drafted_requests, 1)
     return StepStats(
         verify_batch_tokens=batch_tokens,
@@ -25,6 +26,8 @@ def step_stats(
         forward_time_s=forward_s,
         step_time_s=forward_s + draft_s + other_s,
         predicted_accepted_tokens=predicted,
+        predicted_per_position=[] if predicted is None else [predicted],
         num_accepted_tokens=accepted,
+        accepted_per_position=[accepted],
         num_prefill_tokens=prefill_tokens,
     )

@@ -158,6 +158,13 @@ def test_pool_keeps_the_newest_steps_covering_memory_rows_zero_padded() -> None:
     assert gate.pool().tolist() == [[0.1, 0.2], [0.5, 0.0], [0.6, 0.0]]
     gate.remember(torch.tensor([[0.7], [0.8]], dtype=torch.float64))  # 4 newest rows cover 3
     assert gate.pool().tolist() == [[0.5], [0.6], [0.7], [0.8]]
+    # Updated in place once built: the same rows as a rebuild from the remembered steps.
+    rng = torch.Generator().manual_seed(0)
+    for width in (3, 1, 2, 2, 1, 1, 1):
+        gate.remember(torch.rand(int(torch.randint(1, 3, (1,), generator=rng)), width, generator=rng).double())
+        incremental = gate.pool()
+        gate._pool = None
+        assert torch.equal(incremental, gate.pool())
 
 
 @pytest.mark.parametrize("make", [DSparkPolicy, DSparkAsyncPolicy])
@@ -214,16 +221,21 @@ def test_plain_steps_overhead_is_measured_on_a_skipped_step_and_used_for_the_com
     assert (policy.max_length(7, 16) > 0) == (with_draft > plain * (1 + gate.min_gain))
 
 
-def test_acceptance_scale_tracks_observed_over_predicted_and_rescales_survival() -> None:
+def test_acceptance_scale_tracks_observed_over_predicted_per_position_and_rescales_survival() -> None:
     scale = AcceptanceScale(prior_tokens=5.0)
     assert scale.factor == 1.0
     for _ in range(300):
-        scale.observe(predicted=2.0, accepted=1)  # the confidences promise twice what is accepted
-        scale.observe(predicted=float("nan"), accepted=5)  # ignored
+        # Position 1 promised twice what it returns, position 2 half; position 3 never verified.
+        scale.observe(predicted=[2.0, 0.5], accepted=[1, 1, 0])
+        scale.observe(predicted=[float("nan"), 0.1], accepted=[5, 5, 0])  # ignored
     assert scale.factor == pytest.approx((50 + 5) / (100 + 5), rel=1e-3)  # steady sums 100, 50 + prior
-    conf = torch.tensor([[0.8, 0.5, 0.9]], dtype=torch.float64)
+    factors = scale.factors(3)
+    assert factors[1] == pytest.approx((50 + 5) / (25 + 5), rel=1e-3) and factors[2] == 1.0
+    conf = torch.tensor([[0.8, 0.5, 0.9], [0.9, 0.95, 0.5]], dtype=torch.float64)
     scaled = scale.apply(conf)
-    assert survival_probabilities(scaled) == pytest.approx(survival_probabilities(conf) * scale.factor)
+    expected = (survival_probabilities(conf) * factors).clamp(max=1.0).cummin(dim=1).values
+    assert survival_probabilities(scaled) == pytest.approx(expected)
+    assert bool((scaled >= 0).all() and (scaled <= 1).all())
     assert conf[0, 0] == 0.8  # the input is left alone
 
 

@@ -215,7 +215,9 @@ class LLMEngine:
         if confidences is not None:  # what the confidence head expects to be accepted
             survival = confidences.float().cpu().cumprod(dim=1)
             verified = torch.arange(survival.shape[1])[None, :] < lengths[:, None]
-            self._stats.predicted_accepted_tokens = float(survival[verified].sum())
+            per_position = torch.where(verified, survival, 0.0).sum(dim=0)
+            self._stats.predicted_accepted_tokens = float(per_position.sum())
+            self._stats.predicted_per_position = per_position.tolist()
         lengths = lengths.tolist()
         self._stats.drafted, self._stats.draft_time_s = True, t1 - t0
         self._stats.draft_horizon = width

@@ -58,6 +58,7 @@ class StepStats:
     accepted_per_position: list[int] = field(default_factory=list)
     verify_budgets: list[int] = field(default_factory=list)  # l_r per decoding request
     predicted_accepted_tokens: float | None = None  # sum of survival a_{r,j} over verified positions
+    predicted_per_position: list[float] = field(default_factory=list)  # the same per position j
     policy_fallback: bool = False  # unusable confidences: the policy fell back to a fixed length
     drafted: bool = False  # the drafter ran this step
     draft_horizon: int = 0  # positions drafted per request

@@ -60,6 +60,10 @@ class DraftCost:
         return _interp(self._seconds, num_requests)
 
 
+def _padded(rows: torch.Tensor, width: int) -> torch.Tensor:
+    return rows if rows.shape[1] == width else torch.nn.functional.pad(rows, (0, width - rows.shape[1]))
+
+
 def _interp(table: dict[int, float], x: int) -> float:
     known = sorted(table)
     xp = torch.tensor(known, dtype=torch.float64)
@@ -104,9 +108,13 @@ class DraftingGate:
         if not confidences.numel():
             return
         self._steps.append(confidences)
+        dropped = 0
         while sum(c.shape[0] for c in self._steps) - self._steps[0].shape[0] >= self.memory_rows:
-            self._steps.popleft()
-        self._pool = None
+            dropped += self._steps.popleft().shape[0]
+        if self._pool is not None:  # update in place of a rebuild: at one request that is 64 pads
+            width = max(c.shape[1] for c in self._steps)
+            kept = self._pool[dropped:, :width]  # columns past `width` only padded dropped rows
+            self._pool = torch.cat([_padded(kept, width), _padded(confidences, width)])
         self._ranked.clear()
 
     def should_draft(
@@ -171,7 +179,7 @@ class DraftingGate:
         """The remembered rows, zero-padded to the widest (a position not drafted is not a candidate)."""
         if self._pool is None:
             width = max(c.shape[1] for c in self._steps)
-            self._pool = torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1])) for c in self._steps])
+            self._pool = torch.cat([_padded(c, width) for c in self._steps])
         return self._pool
 
     @staticmethod

@@ -92,7 +92,7 @@ class _SpsPolicy(ConfidencePolicy):
         self.sps.observe(stats.verify_batch_tokens + stats.num_prefill_tokens, stats.forward_time_s)
         if stats.drafted:
             self.gate.cost.observe(len(stats.verify_budgets), stats.draft_time_s, stats.draft_horizon)
-            self.acceptance.observe(stats.predicted_accepted_tokens, stats.num_accepted_tokens)
+            self.acceptance.observe(stats.predicted_per_position, stats.accepted_per_position)
         other_s = stats.step_time_s - stats.forward_time_s - stats.draft_time_s
         if stats.num_prefill_tokens or other_s < 0:  # prefills add their own cache commits
             return
