@@ -268,7 +268,9 @@ def test_horizon_cut_heads_are_plain_matmuls(target, rows):
     from torch.profiler import ProfilerActivity, profile
 
     drafter = load_drafter(str(FIXTURE / "draft_vanilla"), target.config)
-    requests = [make_request(f"r{i}", sequence(n + 1, seed=i), num_cached=n) for i, n in enumerate((9, 30)[:rows])]
+    requests = [
+        make_request(f"r{i}", sequence(n + 1, seed=i), num_cached=n) for i, n in enumerate((9, 30)[:rows])
+    ]
     drafter_with_context(drafter, target, requests)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         block = drafter.propose(requests, sampling_for(requests), horizon=1)

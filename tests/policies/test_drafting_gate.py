@@ -161,7 +161,9 @@ def test_pool_keeps_the_newest_steps_covering_memory_rows_zero_padded() -> None:
     # Updated in place once built: the same rows as a rebuild from the remembered steps.
     rng = torch.Generator().manual_seed(0)
     for width in (3, 1, 2, 2, 1, 1, 1):
-        gate.remember(torch.rand(int(torch.randint(1, 3, (1,), generator=rng)), width, generator=rng).double())
+        gate.remember(
+            torch.rand(int(torch.randint(1, 3, (1,), generator=rng)), width, generator=rng).double()
+        )
         incremental = gate.pool()
         gate._pool = None
         assert torch.equal(incremental, gate.pool())
