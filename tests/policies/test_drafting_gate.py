@@ -144,7 +144,8 @@ def test_gate_explores_after_a_run_of_skipped_steps() -> None:
     gate.cost.observe(16, 1e-5)
     gate.cost._seconds[16] = 1e-5
     assert gate.should_draft(16, FORWARD, 0.001, 0.001)
-    gate._steps.clear()
+    gate._shapes.clear()  # forget the remembered rows
+    gate._pool = gate._pool[:0]
     gate.remember(torch.full((16, 7), 0.1, dtype=torch.float64))
     gate.cost._seconds[16] = 0.01
     decisions = [gate.should_draft(16, FORWARD, 0.001, 0.001) for _ in range(5)]
@@ -158,15 +159,20 @@ def test_pool_keeps_the_newest_steps_covering_memory_rows_zero_padded() -> None:
     assert gate.pool().tolist() == [[0.1, 0.2], [0.5, 0.0], [0.6, 0.0]]
     gate.remember(torch.tensor([[0.7], [0.8]], dtype=torch.float64))  # 4 newest rows cover 3
     assert gate.pool().tolist() == [[0.5], [0.6], [0.7], [0.8]]
-    # Updated in place once built: the same rows as a rebuild from the remembered steps.
+    # Updated step by step: always the newest steps covering memory_rows, padded to the widest.
     rng = torch.Generator().manual_seed(0)
+    steps = [
+        torch.tensor([[0.5], [0.6]], dtype=torch.float64),
+        torch.tensor([[0.7], [0.8]], dtype=torch.float64),
+    ]
     for width in (3, 1, 2, 2, 1, 1, 1):
-        gate.remember(
-            torch.rand(int(torch.randint(1, 3, (1,), generator=rng)), width, generator=rng).double()
-        )
-        incremental = gate.pool()
-        gate._pool = None
-        assert torch.equal(incremental, gate.pool())
+        steps.append(torch.rand(int(torch.randint(1, 3, (1,), generator=rng)), width, generator=rng).double())
+        gate.remember(steps[-1])
+        while sum(c.shape[0] for c in steps) - steps[0].shape[0] >= gate.memory_rows:
+            steps.pop(0)
+        widest = max(c.shape[1] for c in steps)
+        rebuilt = torch.cat([torch.nn.functional.pad(c, (0, widest - c.shape[1])) for c in steps])
+        assert torch.equal(gate.pool(), rebuilt)
 
 
 @pytest.mark.parametrize("make", [DSparkPolicy, DSparkAsyncPolicy])

@@ -20,10 +20,9 @@ def sample_block(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """hidden [R, G, d], anchor [R] -> tokens [R, G], probs [R, G, V] (each token's exact draft
     distribution, after the request's temperature / top-k / top-p), confidence logits [R, G] or None."""
-    # A 3-D input whose leading strides do not merge (a horizon cut, even of width 1, where
-    # .contiguous() is a no-op) sends F.linear to a bmm over a broadcast copy of the whole head;
-    # a 2-D [R * G, d] input is one plain matmul.
-    hidden = hidden.contiguous()
+    # A 3-D input whose leading strides do not merge (a horizon cut, even a width-1 one that
+    # .contiguous() leaves alone) sends F.linear to a bmm over a broadcast copy of the whole
+    # head; a 2-D [R * G, d] input (reshape copies only what it must) is one plain matmul.
     base = F.linear(hidden.reshape(-1, hidden.shape[-1]), vocab.head).view(*hidden.shape[:-1], -1)
     head, conf_head = model.markov_head, model.confidence_head
     if head is None:  # DFlash: positions are independent, sample them all at once

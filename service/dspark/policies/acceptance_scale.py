@@ -58,6 +58,7 @@ class AcceptanceScale:
 
 
 def _grown(values: torch.Tensor, width: int) -> torch.Tensor:
+    """`values` zero-extended to at least `width` (itself when already that long)."""
     if values.numel() >= width:
-        return values.clone()
+        return values
     return torch.cat([values, values.new_zeros(width - values.numel())])

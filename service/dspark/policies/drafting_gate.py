@@ -78,15 +78,15 @@ class DraftingGate:
     confidences of recent drafted steps' rows (at least `memory_rows`) standing in for the R
     requests, each row weighted R / rows: tau = R + w * (admitted survival), in a step of
     other + draft(R, h) + 1 / SPS(R + w * admitted). A pool rather than the last step's rows
-    keeps one unlucky draft from switching drafting off. Without: R tokens in other' + 1 / SPS(R), where other' is measured on undrafted
-    steps (accepting drafted tokens costs more; charging that to plain steps biased the gate
-    towards drafting).
+    keeps one unlucky draft from switching drafting off. Without: R tokens in
+    other' + 1 / SPS(R), where other' is measured on undrafted steps (accepting drafted tokens
+    costs more; charging that to plain steps biased the gate towards drafting).
 
     Drafting must promise `min_gain` (1%) more: near break-even the estimates' noise would
     otherwise flip the decision step by step for no expected gain. Unknown costs or fewer than
     `memory_rows` rows remembered: draft; no undrafted step measured yet: skip one (that is how
-    they get measured). After `explore_every` skipped steps in a row one step drafts anyway, to refresh
-    the pool and the cost; each exploration that changes nothing doubles that interval (up to
+    they get measured). After `explore_every` skipped steps in a row one step drafts anyway, to
+    refresh the pool and the cost; each exploration that changes nothing doubles that interval (up to
     8x), so a load where drafting clearly does not pay spends little on checking.
     """
 
@@ -95,8 +95,8 @@ class DraftingGate:
         self.min_gain = min_gain
         self.explore_every = explore_every
         self.memory_rows = memory_rows
-        self._steps: deque[torch.Tensor] = deque()
-        self._pool: torch.Tensor | None = None  # the rows of `_steps`, built once per change
+        self._shapes: deque[tuple[int, int]] = deque()  # (rows, width) per remembered step, oldest first
+        self._pool = torch.zeros(0, 0, dtype=torch.float64)  # their rows, zero-padded to the widest
         self._ranked: dict[int, torch.Tensor] = {}  # horizon -> the pool's ranked survival values
         self._skipped_in_a_row = 0
         self._explore_interval = explore_every
@@ -107,14 +107,14 @@ class DraftingGate:
         """Finite confidences [R, w] (CPU float64) of a step that drafted."""
         if not confidences.numel():
             return
-        self._steps.append(confidences)
-        dropped = 0
-        while sum(c.shape[0] for c in self._steps) - self._steps[0].shape[0] >= self.memory_rows:
-            dropped += self._steps.popleft().shape[0]
-        if self._pool is not None:  # update in place of a rebuild: at one request that is 64 pads
-            width = max(c.shape[1] for c in self._steps)
-            kept = self._pool[dropped:, :width]  # columns past `width` only padded dropped rows
-            self._pool = torch.cat([_padded(kept, width), _padded(confidences, width)])
+        self._shapes.append((confidences.shape[0], confidences.shape[1]))
+        total = self._pool.shape[0] + confidences.shape[0]
+        while total - self._shapes[0][0] >= self.memory_rows:
+            total -= self._shapes.popleft()[0]
+        dropped = self._pool.shape[0] + confidences.shape[0] - total
+        width = max(w for _, w in self._shapes)
+        kept = self._pool[dropped:, :width]  # columns past `width` only padded dropped rows
+        self._pool = torch.cat([_padded(kept, width), _padded(confidences, width)])
         self._ranked.clear()
 
     def should_draft(
@@ -127,7 +127,7 @@ class DraftingGate:
     ) -> bool:
         """Whether drafting `horizon` positions (default: as many as the remembered rows hold)
         beats not drafting; see `draft_horizon`."""
-        width = horizon or (self.pool().shape[1] if self._steps else 1)
+        width = horizon or self._pool.shape[1] or 1
         return self.draft_horizon(num_requests, forward_sps, other_s, plain_other_s, [width]) > 0
 
     def draft_horizon(
@@ -145,7 +145,7 @@ class DraftingGate:
         widest = max(horizons)
         if num_requests < 1 or self.cost.seconds(num_requests, widest) is None:
             return widest
-        if sum(c.shape[0] for c in self._steps) < self.memory_rows:  # too little evidence yet
+        if self._pool.shape[0] < self.memory_rows:  # too little evidence yet
             return widest
         if self._skipped_in_a_row >= self._explore_interval:
             self._skipped_in_a_row, self._explored = 0, True
@@ -156,13 +156,13 @@ class DraftingGate:
             return 0
         without = num_requests / (plain_other_s + 1.0 / float(forward_sps(torch.tensor([num_requests]))[0]))
         # Horizons past the remembered rows' width have no confidences to judge them by.
-        width = self.pool().shape[1]
+        rows, width = self._pool.shape
         best, best_rate = 0, without * (1.0 + self.min_gain)
         for h in sorted({min(h, width) for h in horizons}):  # ties go to the cheaper, narrower one
             if h not in self._ranked:
-                self._ranked[h] = ranked_candidates(self.pool()[:, :h])[0]
+                self._ranked[h] = ranked_candidates(self._pool[:, :h])[0]
             fixed_s = other_s + self.cost.seconds(num_requests, h)
-            rate = self.ranked_rate(self._ranked[h], self.pool().shape[0], num_requests, forward_sps, fixed_s)
+            rate = self.ranked_rate(self._ranked[h], rows, num_requests, forward_sps, fixed_s)
             if rate > best_rate:
                 best, best_rate = h, rate
         if best:
@@ -177,9 +177,6 @@ class DraftingGate:
 
     def pool(self) -> torch.Tensor:
         """The remembered rows, zero-padded to the widest (a position not drafted is not a candidate)."""
-        if self._pool is None:
-            width = max(c.shape[1] for c in self._steps)
-            self._pool = torch.cat([_padded(c, width) for c in self._steps])
         return self._pool
 
     @staticmethod
