@@ -8,6 +8,7 @@ from dspark.policies.acceptance_scale import AcceptanceScale
 from dspark.policies.drafting_gate import DraftCost, DraftingGate
 from dspark.policies.dspark import DSparkAsyncPolicy, DSparkPolicy
 from dspark.policies.prefix_scheduler import schedule_prefix_greedy, survival_probabilities
+from dspark.profiling.online import OnlineSps
 from dspark.profiling.sps_profile import table_lookup
 from dspark.profiling.synthetic import synthetic_profile
 
@@ -261,3 +262,30 @@ def test_over_confident_drafts_stop_being_verified_and_drafted() -> None:
         )
     assert policy.acceptance.factor < 0.1
     assert int(policy.schedule(conf, 7, 16).sum()) < before
+
+
+@pytest.mark.parametrize("drift_alpha", [0.1, 0.0])
+def test_a_slowdown_seen_only_on_undrafted_steps_does_not_make_drafting_look_cheap(drift_alpha) -> None:
+    """While the gate skips, only plain steps are timed. When the node then slows down, the
+    drafted steps' costs, measured before, must slow down with it (the SPS curve's drift);
+    otherwise plain decoding looks slow next to stale drafting costs and the gate flips."""
+    policy = DSparkPolicy(OnlineSps(PROFILE, drift_alpha=drift_alpha))
+    policy.gate.memory_rows = 16
+    conf = torch.full((16, 7), 0.3, dtype=torch.float64)
+    policy.schedule(conf, 7, 16)
+    budget = int(policy.schedule(conf, 7, 16).sum())
+    drafted_b = 16 + budget
+
+    def forward_s(b: int, slowdown: float = 1.0) -> float:
+        return slowdown / PROFILE.sps(float(b))
+
+    for _ in range(20):  # speed 1: drafting costs 1 ms for 16 requests
+        policy.observe_step(
+            step_stats(drafted_b, forward_s(drafted_b), 0.0002, 0.001, 16, budget * 0.3, round(budget * 0.3))
+        )
+        policy.observe_step(step_stats(16, forward_s(16), 0.0002))
+    assert policy.max_length(7, 16) == 0  # drafting does not pay at this speed
+    for _ in range(30):  # the node becomes twice as slow while only plain steps run
+        policy.observe_step(step_stats(16, forward_s(16, 2.0), 0.0004))
+    skips = policy.max_length(7, 16) == 0
+    assert skips == (drift_alpha > 0)  # with the per-size corrections alone the gate flips

@@ -32,9 +32,9 @@ def test_converges_to_the_shifted_true_curve_where_observed() -> None:
     for b in (1, 8, 16, 32, 64, 128, 256):
         assert online.sps(b) == pytest.approx(1 / true_step_seconds(b), rel=0.05)
         assert abs(idle_node_prior().sps(b) * true_step_seconds(b) - 1) > 0.25  # the prior was badly off
-    # Never observed near 512: the correction carries over from 256, the prior's shape is kept.
-    assert online.corrections()[-1] == 1.0
-    assert online.sps(512) == pytest.approx(idle_node_prior().sps(512), rel=1e-12)
+    # Never observed near 512: only the shared drift moves it, the prior's shape is kept there.
+    assert online.corrections()[-1] == pytest.approx(online.drift(), rel=1e-12)
+    assert online.sps(512) == pytest.approx(idle_node_prior().sps(512) / online.drift(), rel=1e-12)
 
 
 def test_follows_later_drift() -> None:
@@ -46,6 +46,29 @@ def test_follows_later_drift() -> None:
     assert online.sps(64) == pytest.approx(1 / (2 * true_step_seconds(64)), rel=0.03)
 
 
+def test_drift_seen_at_one_batch_size_moves_the_others() -> None:
+    """The gate compares B = R (undrafted steps) with B > R (drafted ones): when only one of them
+    runs while the node slows down, the other must not keep the old speed."""
+    online = OnlineSps(idle_node_prior())
+    rng = random.Random(1)
+    for _ in range(400):  # both measured: the shape between 1 and 8 is learned
+        b = rng.choice([1, 8])
+        online.observe(b, true_step_seconds(b))
+    ratio = online.sps(1) / online.sps(8)
+    for _ in range(200):  # then only B = 1 runs, on a node 1.5x slower
+        online.observe(1, 1.5 * true_step_seconds(1))
+    assert online.sps(1) == pytest.approx(1 / (1.5 * true_step_seconds(1)), rel=0.02)
+    assert online.sps(8) == pytest.approx(1 / (1.5 * true_step_seconds(8)), rel=0.1)
+    assert online.sps(1) / online.sps(8) == pytest.approx(ratio, rel=0.1)
+    without = OnlineSps(idle_node_prior(), drift_alpha=0.0)  # per-size corrections alone
+    for _ in range(400):
+        b = rng.choice([1, 8])
+        without.observe(b, true_step_seconds(b))
+    for _ in range(200):
+        without.observe(1, 1.5 * true_step_seconds(1))
+    assert without.sps(8) == pytest.approx(1 / true_step_seconds(8), rel=0.05)  # stale: the old speed
+
+
 def test_one_stalled_step_moves_the_estimate_at_most_by_max_jump() -> None:
     online = OnlineSps(idle_node_prior(), max_jump=2.0)
     before = online.sps(64)
@@ -54,13 +77,13 @@ def test_one_stalled_step_moves_the_estimate_at_most_by_max_jump() -> None:
 
 
 def test_observation_is_shared_between_neighbouring_grid_points() -> None:
-    online = OnlineSps(idle_node_prior(), prior_weight=1.0, alpha=0.01)
+    online = OnlineSps(idle_node_prior(), prior_weight=1.0, alpha=0.01, drift_alpha=0.0)
     b = 48  # halfway between 32 and 64: half an observation each, against one pseudo-observation
     online.observe(b, 1.5 / idle_node_prior().sps(b))
     corr = dict(zip(GRID, online.corrections(), strict=True))
     assert corr[32] == pytest.approx(1.5 ** (1 / 3)) and corr[64] == pytest.approx(1.5 ** (1 / 3))
     assert corr[16] == corr[128] == 1.0
-    no_prior = OnlineSps(idle_node_prior(), prior_weight=0.0)
+    no_prior = OnlineSps(idle_node_prior(), prior_weight=0.0, drift_alpha=0.0)
     no_prior.observe(b, 1.5 / idle_node_prior().sps(b))
     assert no_prior.sps(b) == pytest.approx(idle_node_prior().sps(b) / 1.5)  # taken at face value
 
@@ -94,7 +117,16 @@ def test_bad_observations_are_refused(b: int, seconds: float) -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"alpha": 0.0}, {"alpha": 1.5}, {"prior_weight": -1}, {"max_jump": 1.0}, {"refresh_every": 0}]
+    "kwargs",
+    [
+        {"alpha": 0.0},
+        {"alpha": 1.5},
+        {"prior_weight": -1},
+        {"max_jump": 1.0},
+        {"refresh_every": 0},
+        {"drift_alpha": -0.1},
+        {"drift_alpha": 1.5},
+    ],
 )
 def test_bad_settings_are_refused(kwargs: dict) -> None:
     with pytest.raises(ValueError):

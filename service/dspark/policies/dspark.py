@@ -36,6 +36,10 @@ class _SpsPolicy(ConfidencePolicy):
     acceptance of earlier steps (`AcceptanceScale`). All come from earlier steps only, so
     schedules stay lossless; the same figures let the `DraftingGate` skip drafting on steps
     that are faster without it.
+
+    The measured times are kept divided by the SPS curve's drift at the time (`OnlineSps.drift`)
+    and multiplied by the current one when used: a drafting cost measured while the node was
+    slow must not make drafting look cheap, or dear, after it sped up while the gate skipped.
     """
 
     overhead_alpha = 0.1
@@ -50,8 +54,11 @@ class _SpsPolicy(ConfidencePolicy):
         self._forward_sps = table_lookup(self.sps)
         self._longest: int | None = None  # longest verify length of the previous drafted step
 
+    def _drift(self) -> float:
+        return self.sps.drift() if isinstance(self.sps, OnlineSps) else 1.0
+
     def _step_rate(self, draft_s: float):
-        fixed_s = self.other_s + draft_s
+        fixed_s = self.other_s * self._drift() + draft_s
         return lambda b: 1.0 / (fixed_s + 1.0 / self._forward_sps(b))
 
     def max_length(self, gamma: int, num_requests: int = 1) -> int:
@@ -61,19 +68,21 @@ class _SpsPolicy(ConfidencePolicy):
         costs time, so the horizon can grow by one per step and shrink when its last position
         does not pay for itself. Both depend on earlier steps only, so schedules stay lossless."""
         widest = gamma if self._longest is None else min(gamma, self._longest + 1)
+        drift = self._drift()
         horizon = self.gate.draft_horizon(
             num_requests,
             self._forward_sps,
-            self.other_s,
-            self.plain_other_s,
+            self.other_s * drift,
+            None if self.plain_other_s is None else self.plain_other_s * drift,
             range(max(1, widest - 1), widest + 1),
+            time_scale=drift,
         )
         if not horizon:
             self._on_skip()
         return horizon
 
     def schedule(self, confidences: torch.Tensor | None, gamma: int, num_requests: int) -> torch.Tensor:
-        self._sps_fn = self._step_rate(self.gate.cost.seconds(num_requests, gamma) or 0.0)
+        self._sps_fn = self._step_rate((self.gate.cost.seconds(num_requests, gamma) or 0.0) * self._drift())
         lengths = super().schedule(confidences, gamma, num_requests)
         if num_requests:
             self._longest = int(lengths.max())
@@ -90,10 +99,11 @@ class _SpsPolicy(ConfidencePolicy):
         # The forward also carried this step's prefill chunks: time it against all its tokens
         # (timing it against the decode tokens alone taught small B the prefill's cost).
         self.sps.observe(stats.verify_batch_tokens + stats.num_prefill_tokens, stats.forward_time_s)
+        drift = self.sps.drift()
         if stats.drafted:
-            self.gate.cost.observe(len(stats.verify_budgets), stats.draft_time_s, stats.draft_horizon)
+            self.gate.cost.observe(len(stats.verify_budgets), stats.draft_time_s / drift, stats.draft_horizon)
             self.acceptance.observe(stats.predicted_per_position, stats.accepted_per_position)
-        other_s = stats.step_time_s - stats.forward_time_s - stats.draft_time_s
+        other_s = (stats.step_time_s - stats.forward_time_s - stats.draft_time_s) / drift
         if stats.num_prefill_tokens or other_s < 0:  # prefills add their own cache commits
             return
         if stats.drafted:

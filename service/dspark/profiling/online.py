@@ -2,7 +2,8 @@
 
 A profile taken on an idle node, or before the hardware drifted (thermals, neighbours on the
 node, a driver update), mis-states the step rate. `OnlineSps` keeps the profile as its prior
-and learns one multiplicative step-time correction per measured batch size.
+and learns a multiplicative step-time correction: one drift factor shared by every batch size,
+times one factor per measured batch size for the shape.
 """
 
 from __future__ import annotations
@@ -17,15 +18,22 @@ from dspark.profiling.sps_profile import SpsPoint, SpsProfile
 
 
 class OnlineSps:
-    """SPS(B) = prior SPS(B) / correction(B), the correction learned from observed step times.
+    """SPS(B) = prior SPS(B) / (drift * correction(B)), both learned from observed step times.
 
-    Each observation (B, seconds) gives the ratio of observed to prior step time at B; it is
-    shared between the two grid points around B in proportion to their closeness (below the
-    first or above the last point, all to the end point). A grid point's log correction moves
-    toward the observed log ratio like a running mean in which the prior counts as
-    `prior_weight` observations, but never slower than an EWMA with rate `alpha`, so it keeps
-    following drift once many observations have arrived. One observation moves a correction by at
-    most a factor `max_jump`, so a single stalled step (a GC pause, a page fault) cannot wreck it.
+    `drift` follows the error of every observation quickly (rate `drift_alpha`), the per-size
+    corrections slowly (the curve's shape), so a node that slows down (or speeds up) while only
+    some batch sizes run moves the estimate at all of them: the
+    drafting gate compares batch sizes it measured at different times (a decode step without
+    drafting, one with), and per-size corrections alone left the one not run lately at the
+    machine's speed of back then. `drift_alpha=0` learns the corrections alone.
+
+    Each observation (B, seconds) gives the log ratio of observed to prior step time at B; what
+    the drift leaves of it is shared between the two grid points around B in proportion to their
+    closeness (below the first or above the last point, all to the end point). A grid point's log
+    correction moves toward that residual like a running mean in which the prior counts as
+    `prior_weight` observations, but never slower than an EWMA with rate `alpha`. One
+    observation moves the drift and a correction by at most a factor `max_jump` each, so a
+    single stalled step (a GC pause, a page fault) cannot wreck them.
 
     `sps()` always reflects every observation; the dense `table()` the scheduler indexes is
     rebuilt at most once per `refresh_every` observations, which keeps refinement off the
@@ -35,10 +43,11 @@ class OnlineSps:
     def __init__(
         self,
         prior: SpsProfile,
-        alpha: float = 0.05,
+        alpha: float = 0.01,
         prior_weight: float = 4.0,
         max_jump: float = 2.0,
         refresh_every: int = 8,
+        drift_alpha: float = 0.1,
     ) -> None:
         if not 0 < alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
@@ -46,6 +55,8 @@ class OnlineSps:
             raise ValueError(f"prior_weight must be >= 0, got {prior_weight}")
         if refresh_every < 1:
             raise ValueError(f"refresh_every must be >= 1, got {refresh_every}")
+        if not 0 <= drift_alpha <= 1:
+            raise ValueError(f"drift_alpha must be in [0, 1], got {drift_alpha}")
         if max_jump <= 1:
             raise ValueError(f"max_jump must be > 1, got {max_jump}")
         self.prior = prior
@@ -54,6 +65,8 @@ class OnlineSps:
         self.max_log_jump = math.log(max_jump)
         self._grid = [float(b) for b in prior.batch_tokens()]
         self._grid_t = torch.tensor(self._grid, dtype=torch.float64)
+        self.drift_alpha = drift_alpha
+        self._log_drift = 0.0
         self._log_corr = [0.0] * len(self._grid)
         self._weight = [0.0] * len(self._grid)
         self._log_corr_t: torch.Tensor | None = None
@@ -69,15 +82,24 @@ class OnlineSps:
         if not (math.isfinite(seconds) and seconds > 0):
             raise ValueError(f"step time must be a positive finite number of seconds, got {seconds}")
         log_ratio = math.log(seconds * self.prior.sps(float(batch_tokens)))
-        for i, share in self._neighbours(float(batch_tokens)):
+        neighbours = self._neighbours(float(batch_tokens))
+        error = log_ratio - self._log_drift - sum(s * self._log_corr[i] for i, s in neighbours)
+        self._log_drift += self.drift_alpha * self._clamp(error)
+        for i, share in neighbours:
             # Running mean with the prior as `prior_weight` pseudo-observations, floored at the EWMA rate.
             rate = max(self.alpha * share, share / (self._weight[i] + self.prior_weight + share))
-            step = max(-self.max_log_jump, min(self.max_log_jump, log_ratio - self._log_corr[i]))
-            self._log_corr[i] += rate * step
+            self._log_corr[i] += rate * self._clamp(log_ratio - self._log_drift - self._log_corr[i])
             self._weight[i] += share
         self._log_corr_t = None
         self.observations += 1
         self._table_age += 1
+
+    def _clamp(self, log_step: float) -> float:
+        return max(-self.max_log_jump, min(self.max_log_jump, log_step))
+
+    def drift(self) -> float:
+        """The step-time factor shared by every batch size (1.0 until something is observed)."""
+        return math.exp(self._log_drift)
 
     def _neighbours(self, b: float) -> list[tuple[int, float]]:
         grid = self._grid
@@ -96,7 +118,7 @@ class OnlineSps:
             return float(self.sps(torch.tensor([float(batch_tokens)], dtype=torch.float64))[0])
         if self._log_corr_t is None:
             self._log_corr_t = torch.tensor(self._log_corr, dtype=torch.float64)
-        correction = interp_flat(batch_tokens, self._grid_t, self._log_corr_t).exp()
+        correction = (interp_flat(batch_tokens, self._grid_t, self._log_corr_t) + self._log_drift).exp()
         return self.prior.sps(batch_tokens) / correction
 
     def table(self, max_batch_tokens: int) -> torch.Tensor:
@@ -109,8 +131,8 @@ class OnlineSps:
         return self._table
 
     def corrections(self) -> list[float]:
-        """Observed / prior step time at each grid point (1.0 where nothing was observed)."""
-        return [math.exp(c) for c in self._log_corr]
+        """Estimated / prior step time at each grid point (the drift alone where nothing was observed)."""
+        return [math.exp(c + self._log_drift) for c in self._log_corr]
 
     def to_profile(self) -> SpsProfile:
         """The refined curve as a profile of its own (same metadata, refined rates, new timestamp)."""
