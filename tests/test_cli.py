@@ -80,5 +80,5 @@ def test_bench_decode_writes_a_report(smollm_dir, tmp_path):
     report = json.loads(out.read_text())
     systems = {row["system"] for row in report["summary"]}
     assert {"engine plain", "engine dflash (static:2)", "HF generate plain"} <= systems
-    assert len(report["runs"]) == 5
+    assert len(report["runs"]) == 10  # five systems, two mirrored repeats
     assert all(r["tokens"] > 0 and r["seconds"] > 0 for r in report["runs"])

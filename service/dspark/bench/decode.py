@@ -24,6 +24,7 @@ class Measurement:
     tokens: int
     seconds: float
     tau: float
+    prompt: int = 0  # index of the prompt within the run, to pair systems on the same prompt
 
     @property
     def tokens_per_second(self) -> float:
@@ -60,8 +61,11 @@ def run_decode_bench(
     lookup: int,
     include_hf: bool = True,
     progress=None,
+    repeats: int = 2,
 ) -> list[Measurement]:
-    """Every system on every prompt at batch 1, greedy, interleaved per prompt so drift hits all alike."""
+    """Every system on every prompt at batch 1, greedy, `repeats` times per prompt in mirrored
+    order (A B C, C B A, ...): this machine's speed drifts by tens of percent within seconds,
+    and a mirrored pair cancels a drift that is linear over the pair."""
     from transformers import AutoModelForCausalLM
 
     from dspark.commands.generate import encode_prompt
@@ -96,45 +100,68 @@ def run_decode_bench(
     if hf is not None:
         time_hf(hf, warm, 8, plain.eos_ids, None)
 
+    runners = {
+        name: (lambda ids, e=engine: time_engine(e, ids, max_tokens)) for name, engine in systems.items()
+    }
+    if hf is not None:
+        for name, k in (("HF generate plain", None), (f"HF generate prompt-lookup {lookup}", lookup)):
+            runners[name] = lambda ids, k=k: (*time_hf(hf, ids, max_tokens, plain.eos_ids, k), 1.0)
     results: list[Measurement] = []
+    index = 0
     for domain, texts in prompts.items():
         for text in texts:
             ids = encode_prompt(plain.tokenizer, text)
-            for name, engine in systems.items():
-                n, s, tau = time_engine(engine, ids, max_tokens)
-                results.append(Measurement(name, domain, n, s, tau))
-            if hf is not None:
-                for name, k in (("HF generate plain", None), (f"HF generate prompt-lookup {lookup}", lookup)):
-                    n, s = time_hf(hf, ids, max_tokens, plain.eos_ids, k)
-                    results.append(Measurement(name, domain, n, s, 1.0))
+            order = list(runners)
+            for repeat in range(repeats):
+                for name in order if repeat % 2 == 0 else reversed(order):
+                    n, s, tau = runners[name](ids)
+                    results.append(Measurement(name, domain, n, s, tau, index))
+            index += 1
             if progress:
                 progress(1)
     return results
 
 
 def summarize(results: list[Measurement]) -> list[dict]:
-    """Per system and domain: median tokens/s over prompts, and its ratios to HF plain (None when HF
-    was not run) and to engine plain."""
+    """Per system and domain: median tokens/s over prompts; the median over prompts of its paired
+    ratio to HF plain (None when HF was not run) and to engine plain, each prompt's ratio taken
+    over all its repeats (the same tokens, so the ratio of total times)."""
     rows = []
     domains = sorted({m.domain for m in results})
     systems = list(dict.fromkeys(m.system for m in results))
     for domain in [*domains, "all"]:
         picked = [m for m in results if domain in ("all", m.domain)]
-        median = {s: statistics.median(m.tokens_per_second for m in picked if m.system == s) for s in systems}
-        hf = median.get("HF generate plain")
+        rates = _per_prompt_rates(picked)
         for s in systems:
+            mine = rates[s]
             taus = [m.tau for m in picked if m.system == s]
             rows.append(
                 {
                     "domain": domain,
                     "system": s,
-                    "median_tokens_per_s": round(median[s], 2),
-                    "vs_hf_plain": round(median[s] / hf, 3) if hf else None,
-                    "vs_engine_plain": round(median[s] / median["engine plain"], 3),
+                    "median_tokens_per_s": round(statistics.median(mine.values()), 2),
+                    "vs_hf_plain": _paired(mine, rates.get("HF generate plain")),
+                    "vs_engine_plain": _paired(mine, rates["engine plain"]),
                     "median_tau": round(statistics.median(taus), 3),
                 }
             )
     return rows
+
+
+def _per_prompt_rates(results: list[Measurement]) -> dict[str, dict[int, float]]:
+    """system -> prompt -> tokens/s over all its repeats of that prompt."""
+    totals: dict[str, dict[int, list[float]]] = {}
+    for m in results:
+        tokens_seconds = totals.setdefault(m.system, {}).setdefault(m.prompt, [0.0, 0.0])
+        tokens_seconds[0] += m.tokens
+        tokens_seconds[1] += m.seconds
+    return {s: {p: t / sec for p, (t, sec) in per.items()} for s, per in totals.items()}
+
+
+def _paired(rates: dict[int, float], base: dict[int, float] | None) -> float | None:
+    if not base:
+        return None
+    return round(statistics.median(rates[p] / base[p] for p in rates), 3)
 
 
 def write_report(results: list[Measurement], rows: list[dict], meta: dict, path: Path) -> None:

@@ -29,9 +29,16 @@ def bench() -> None:
 )
 @click.option("--no-hf", is_flag=True, help="Skip the HF transformers generate() baselines.")
 @click.option(
+    "--repeats",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Runs of every system per prompt, in mirrored order (A B C, C B A); ratios are paired per prompt.",
+)
+@click.option(
     "--output", type=click.Path(path_type=Path), default=Path("runs/bench-decode.json"), show_default=True
 )
-def decode(engine_config, domains, num_prompts, max_tokens, lookup, no_hf, output) -> None:
+def decode(engine_config, domains, num_prompts, max_tokens, lookup, no_hf, repeats, output) -> None:
     """Tokens/s at batch 1: engine plain, n-gram, the --drafter with its --policy (unless none / ngram),
     HF generate() (plain and prompt lookup)."""
     from tqdm import tqdm
@@ -46,7 +53,13 @@ def decode(engine_config, domains, num_prompts, max_tokens, lookup, no_hf, outpu
     prompts = {d: BUILTIN_PROMPTS[d][:num_prompts] for d in names}
     with tqdm(total=sum(map(len, prompts.values())), desc="bench decode", unit="prompt") as bar:
         results = run_decode_bench(
-            engine_config, prompts, max_tokens, lookup, include_hf=not no_hf, progress=bar.update
+            engine_config,
+            prompts,
+            max_tokens,
+            lookup,
+            include_hf=not no_hf,
+            progress=bar.update,
+            repeats=repeats,
         )
     rows = summarize(results)
     meta = {
@@ -54,6 +67,7 @@ def decode(engine_config, domains, num_prompts, max_tokens, lookup, no_hf, outpu
         "machine": platform.processor() or platform.machine(),
         "config": engine_config.model_dump(),
         "max_tokens": max_tokens,
+        "repeats": repeats,
     }
     write_report(results, rows, meta, output)
     click.echo(format_table(rows))
