@@ -12,7 +12,7 @@ from dspark.drafters.calibration import Calibration
 from dspark.drafters.context_store import ContextStore
 from dspark.drafters.draft_vocab import DraftVocab
 from dspark.drafters.dspark_model import DSparkModel
-from dspark.drafters.feature_batch import check_in_sync, gather_commit, last_token
+from dspark.drafters.feature_batch import check_in_sync, gather_commit
 from dspark.engine.request import Request
 from dspark.engine.sampler import SamplingTensors
 
@@ -65,7 +65,7 @@ class DSparkDrafter(Drafter):
         ctx_len = torch.tensor(lengths, device=self.device)
         ctx_kv = self.store.read("kv", rows, max(lengths))
         ctx_mask = torch.arange(max(lengths), device=self.device)[None, :] < ctx_len[:, None]
-        anchor = torch.tensor([last_token(r) for r in requests], device=self.device)
+        anchor = torch.tensor([r.last_token_id for r in requests], device=self.device)
         # The block attends bidirectionally, so the backbone always runs whole; past the horizon
         # only the vocabulary-sized heads are skipped.
         hidden = self.model.block_hidden(anchor, ctx_len, ctx_kv, ctx_mask)[:, :horizon]

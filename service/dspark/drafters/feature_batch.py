@@ -55,11 +55,6 @@ def gather_commit(
     )
 
 
-def last_token(request: Request) -> int:
-    """The anchor (the generated but not yet cached token), without copying the token lists."""
-    return request.output_token_ids[-1] if request.output_token_ids else request.prompt_token_ids[-1]
-
-
 def check_in_sync(store: ContextStore, requests: Sequence[Request]) -> list[int]:
     """Committed lengths, which must equal the target's cached lengths (the anchor's position)."""
     lengths = [store.length[r.request_id] for r in requests]

@@ -15,6 +15,7 @@ from dspark.drafters.base import DraftBlock, Drafter
 from dspark.drafters.checkpoint import SharedWeights
 from dspark.drafters.factory import load_drafter
 from dspark.engine.config import EngineConfig, resolve_device, resolve_dtype
+from dspark.engine.detokenizer import Detokenizer
 from dspark.engine.kv_cache import KVCache, check_kv_budget
 from dspark.engine.model_runner import ModelRunner, StepForward
 from dspark.engine.outputs import RequestOutput, RequestStats, StepStats, TokenLogprob
@@ -150,7 +151,10 @@ class LLMEngine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        request = Request(request_id, prompt, params, on_output=on_output, generator=generator)
+        detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
+        request = Request(
+            request_id, prompt, params, on_output=on_output, generator=generator, detokenizer=detokenizer
+        )
         request.stats.arrival_time = time.perf_counter()
         self.requests[request_id] = request
         self.scheduler.add(request)
@@ -300,10 +304,8 @@ class LLMEngine:
         kept = append_tokens(request, tokens, self.eos_ids)
         tokens = tokens[:kept]
         delta = ""
-        if self.tokenizer is not None:  # engines built for statistics tests run without one
-            delta = new_text(
-                request, self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
-            )
+        if request.detokenizer is not None:
+            delta = new_text(request, request.detokenizer.add(tokens, final=request.finish_reason is not None))
         logprobs = None
         if request.params.logprobs is not None:
             logprobs = _logprobs(token_logits[:kept], tokens, request.params.logprobs)

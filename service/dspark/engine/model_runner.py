@@ -40,7 +40,7 @@ class ModelRunner:
         for request, draft in zip(plan.decodes, draft_tokens, strict=True):
             logit_starts.append(len(logit_rows))
             logit_rows.extend(range(len(tokens), len(tokens) + 1 + len(draft)))
-            tokens.append(request.all_token_ids[-1])
+            tokens.append(request.last_token_id)
             tokens.extend(draft)
             slots.append(request.slot)
             starts.append(request.num_cached)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dspark.engine.detokenizer import Detokenizer
 from dspark.engine.outputs import RequestOutput, RequestStats
 from dspark.engine.sampling_params import SamplingParams
 
@@ -23,7 +24,7 @@ class Request:
     """Token ids and progress of one generation.
 
     Invariant while decoding: the target's KV cache holds `num_cached` tokens, and exactly one
-    token (`all_token_ids[-1]`, the anchor of the next draft) is generated but not yet cached.
+    token (`last_token_id`, the anchor of the next draft) is generated but not yet cached.
     """
 
     request_id: str
@@ -36,12 +37,18 @@ class Request:
     num_cached: int = 0
     generator: torch.Generator | None = None
     stats: RequestStats = field(default_factory=RequestStats)
-    text: str = ""  # detokenized output so far
+    text: str = ""  # detokenized output emitted so far
+    detokenizer: Detokenizer | None = None  # None: no text (engines built without a tokenizer)
     finish_reason: str | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def last_token_id(self) -> int:
+        """The newest token, without concatenating the token lists."""
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     @property
     def num_tokens(self) -> int:
