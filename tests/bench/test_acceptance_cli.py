@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from dspark.cli import main
 from dspark.drafters.checkpoint import build_model, save_draft_model
 from dspark.drafters.config import DraftConfig
+from dspark.engine.sampling_params import SamplingParams
 
 from tests.conftest import write_tiny_model
 
@@ -129,3 +130,35 @@ def test_bench_serve_cli_runs_policies_in_rounds(tiny_pair, tmp_path, monkeypatc
     assert all(row["best_fixed"] in ("none", "static:1") and "dspark_vs_best_fixed" in row for row in levels)
     assert report["meta"]["rounds"] == 2
     assert (out / "frontier.png").stat().st_size > 0 and (out / "verify-budget.png").stat().st_size > 0
+
+
+def test_bench_serve_mirrors_the_policy_order_every_other_round(monkeypatch):
+    """A B C, C B A, A B C: a drift linear over a mirrored pair of rounds falls on every policy alike."""
+    from dspark.bench import serve
+
+    order = []
+
+    class Engine:
+        def __init__(self, policy) -> None:
+            self.policy = policy
+
+        def generate(self, *args) -> None:
+            pass
+
+    class Base:
+        drafter = None
+
+        def sibling(self, drafter, policy, **updates):
+            return Engine(policy)
+
+    def closed_loop(engine, prompts, concurrency, requests, params):
+        order.append(engine.policy.name)
+        point = dict.fromkeys(serve.LoadPoint.__dataclass_fields__, 1.0)
+        return serve.LoadPoint(
+            **point | {"policy": engine.policy.name, "concurrency": concurrency, "extra": {}}
+        )
+
+    monkeypatch.setattr(serve, "run_closed_loop", closed_loop)
+    params = SamplingParams(max_tokens=4)
+    serve.run_serve_bench(Base(), ["none", "static:1", "full"], [1], [[1, 2]], params, 6, rounds=3)
+    assert order == ["none", "static:1", "full", "full", "static:1", "none", "none", "static:1", "full"]

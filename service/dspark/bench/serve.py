@@ -115,9 +115,10 @@ def run_serve_bench(
 ) -> list[LoadPoint]:
     """Every policy at every concurrency on the same prompts, same drafter, same weights.
 
-    Each level runs its policies round-robin `rounds` times, each run finishing
-    max(requests_per_level / rounds, 2 x concurrency) requests, and reports a policy over all
-    its rounds: drift of a shared machine's speed during a level then falls on every policy alike.
+    Each level runs its policies round-robin `rounds` times, every other round in mirrored order
+    (A B C, C B A), each run finishing max(requests_per_level / rounds, 2 x concurrency)
+    requests, and reports a policy over all its rounds: drift of a shared machine's speed during a
+    level then falls on every policy alike (a linear drift cancels over a mirrored pair).
     A policy object lives through its level's rounds (what it learned carries over, as in serving).
     """
     points = []
@@ -125,9 +126,9 @@ def run_serve_bench(
         verify = {spec: build_policy(spec, sps=sps) for spec in policies}
         runs: dict[str, list[LoadPoint]] = {spec: [] for spec in policies}
         per_run = max(math.ceil(requests_per_level / rounds), 2 * c)
-        for _ in range(rounds):
-            for spec, policy in verify.items():
-                engine = base.sibling(base.drafter, policy, max_num_seqs=c)
+        for r in range(rounds):
+            for spec in policies if r % 2 == 0 else reversed(policies):
+                engine = base.sibling(base.drafter, verify[spec], max_num_seqs=c)
                 engine.generate(prompts[:1], params.model_copy(update={"max_tokens": 4}))  # warm-up
                 runs[spec].append(run_closed_loop(engine, prompts, c, per_run, params))
                 del engine
