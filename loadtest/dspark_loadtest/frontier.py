@@ -34,21 +34,39 @@ class Series:
     points: list[FrontierPoint]
 
 
-def sweep(host: str, label: str, concurrency: list[int], seconds: float, out_dir: Path,
-          options: dict[str, object]) -> Series:
+def sweep(
+    host: str, label: str, concurrency: list[int], seconds: float, out_dir: Path, options: dict[str, object]
+) -> Series:
     points = []
     for c in concurrency:
         prefix = out_dir / "runs" / f"{_slug(label)}-c{c}"
         # Requests cut at the end still count (their tokens and speeds so far), so no long drain is needed.
-        result = run_scenario(host, prefix, seconds, {**options, "concurrency": c, "scenario_seconds": seconds},
-                              stop_timeout_s=1)
+        result = run_scenario(
+            host,
+            prefix,
+            seconds,
+            {**options, "concurrency": c, "scenario_seconds": seconds},
+            stop_timeout_s=1,
+        )
         report = result.report
         if report is None:  # an SLA breach still writes a report; no report means the run itself failed
-            raise RuntimeError(f"frontier run {label} at concurrency {c} failed (exit {result.returncode}):\n"
-                               + result.output[-2000:])
+            raise RuntimeError(
+                f"frontier run {label} at concurrency {c} failed (exit {result.returncode}):\n"
+                + result.output[-2000:]
+            )
         s = report["summary"]
-        points.append(FrontierPoint(c, s["aggregate_tokens_per_s"], s["tokens_per_s_p50"], s["tokens_per_s_p10"],
-                                    s["ttft_p95_s"], s["requests"], s["failures"], s["cut"]))
+        points.append(
+            FrontierPoint(
+                c,
+                s["aggregate_tokens_per_s"],
+                s["tokens_per_s_p50"],
+                s["tokens_per_s_p10"],
+                s["ttft_p95_s"],
+                s["requests"],
+                s["failures"],
+                s["cut"],
+            )
+        )
     return Series(label, host, points)
 
 
@@ -56,10 +74,19 @@ def write_frontier(series: list[Series], tiers: list[Tier], out_dir: Path, meta:
     """`frontier.json` (every point) and `frontier.png` (one curve per server, tier anchors)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, png_path = out_dir / "frontier.json", out_dir / "frontier.png"
-    doc = {**meta, "series": [asdict(s) for s in series],
-           "tiers": [{"name": t.name, "tokensPerSecondPerUser": t.tokens_per_second_per_user,
-                      "tokensPerSecondPerUserP10": t.tokens_per_second_per_user_p10,
-                      "ttftP95Seconds": t.ttft_p95_seconds} for t in tiers]}
+    doc = {
+        **meta,
+        "series": [asdict(s) for s in series],
+        "tiers": [
+            {
+                "name": t.name,
+                "tokensPerSecondPerUser": t.tokens_per_second_per_user,
+                "tokensPerSecondPerUserP10": t.tokens_per_second_per_user_p10,
+                "ttftP95Seconds": t.ttft_p95_seconds,
+            }
+            for t in tiers
+        ],
+    }
     json_path.write_text(json.dumps(doc, indent=2) + "\n")
     plot(series, tiers, png_path, meta.get("title", "Throughput-interactivity frontier"))
     return json_path, png_path
@@ -78,13 +105,25 @@ def plot(series: list[Series], tiers: list[Tier], path: Path, title: str) -> Non
         ys = [p.aggregate_tokens_per_s for p in pts]
         (line,) = ax.plot(xs, ys, marker="o", label=s.label)
         for p, x, y in zip(pts, xs, ys, strict=True):
-            ax.annotate(f"c={p.concurrency}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7,
-                        color=line.get_color())
+            ax.annotate(
+                f"c={p.concurrency}",
+                (x, y),
+                textcoords="offset points",
+                xytext=(4, 4),
+                fontsize=7,
+                color=line.get_color(),
+            )
     for i, t in enumerate(sorted(tiers, key=lambda t: t.tokens_per_second_per_user)):
         ax.axvline(t.tokens_per_second_per_user, color="grey", linestyle="--", linewidth=0.8)
-        ax.annotate(f"{t.name} ({t.tokens_per_second_per_user:g} tok/s p50)", (t.tokens_per_second_per_user, 1),
-                    xycoords=("data", "axes fraction"), xytext=(3, -12 - 10 * i), textcoords="offset points",
-                    fontsize=7, color="grey")
+        ax.annotate(
+            f"{t.name} ({t.tokens_per_second_per_user:g} tok/s p50)",
+            (t.tokens_per_second_per_user, 1),
+            xycoords=("data", "axes fraction"),
+            xytext=(3, -12 - 10 * i),
+            textcoords="offset points",
+            fontsize=7,
+            color="grey",
+        )
     ax.set_xlabel("per-user tokens/s (p50)")
     ax.set_ylabel("aggregate tokens/s")
     ax.set_title(title)

@@ -49,8 +49,12 @@ def _add_options(parser) -> None:
     g.add_argument("--max-error-ratio", type=float, default=-1.0, help="Override the tolerated error ratio")
     g.add_argument("--model", default="", help="Model name (default: the server's first /v1/models entry)")
     g.add_argument("--api-prefix", default="/v1", help="Where the OpenAI routes live (/openai/v1 on KServe)")
-    g.add_argument("--api-key", default=os.environ.get("DSPARK_API_KEY", ""), help="Bearer token (or DSPARK_API_KEY)")
-    g.add_argument("--report-prefix", default="", help="Report file prefix (default: --csv's, else dspark-loadtest)")
+    g.add_argument(
+        "--api-key", default=os.environ.get("DSPARK_API_KEY", ""), help="Bearer token (or DSPARK_API_KEY)"
+    )
+    g.add_argument(
+        "--report-prefix", default="", help="Report file prefix (default: --csv's, else dspark-loadtest)"
+    )
     g.add_argument("--seed", type=int, default=0, help="Prompt sampling seed")
 
 
@@ -62,10 +66,15 @@ def _on_init(environment, **_kw) -> None:
     try:
         host = check_target(environment.host or DEFAULT_HOST, user_given=True)
         tier = resolve_tier(
-            load_tiers(o.tiers_file), o.tier or None,
-            concurrency=o.concurrency or None, seconds=o.scenario_seconds or None, api=o.api or None,
-            mix=o.mix or None, prompt_words=o.prompt_words if o.prompt_words >= 0 else None,
-            max_tokens=o.max_tokens or None, max_requests=o.max_requests or None,
+            load_tiers(o.tiers_file),
+            o.tier or None,
+            concurrency=o.concurrency or None,
+            seconds=o.scenario_seconds or None,
+            api=o.api or None,
+            mix=o.mix or None,
+            prompt_words=o.prompt_words if o.prompt_words >= 0 else None,
+            max_tokens=o.max_tokens or None,
+            max_requests=o.max_requests or None,
             max_error_ratio=o.max_error_ratio if o.max_error_ratio >= 0 else None,
         )
     except (ValueError, KeyError) as e:
@@ -73,8 +82,13 @@ def _on_init(environment, **_kw) -> None:
         sys.exit(2)
     environment.host = host
     environment.dspark_run = LoadRun(
-        tier=tier, host=host, api_prefix="/" + o.api_prefix.strip("/"), api_key=o.api_key or None,
-        model=o.model or None, seed=o.seed, report_prefix=o.report_prefix or o.csv_prefix or "dspark-loadtest",
+        tier=tier,
+        host=host,
+        api_prefix="/" + o.api_prefix.strip("/"),
+        api_key=o.api_key or None,
+        model=o.model or None,
+        seed=o.seed,
+        report_prefix=o.report_prefix or o.csv_prefix or "dspark-loadtest",
     )
     log.info("tier %s against %s: %s", tier.name, host, tier.load)
 
@@ -109,8 +123,10 @@ def _on_test_stop(environment, **_kw) -> None:
     report_path, samples_path = write_report(run.report_prefix, report, samples)
     print("\n" + report["table"], flush=True)
     if agreement := report["ttft_agreement"]:
-        print(f"TTFT mean: client {agreement['client_mean_s']:.4f} s, server {agreement['server_mean_s']:.4f} s",
-              flush=True)
+        print(
+            f"TTFT mean: client {agreement['client_mean_s']:.4f} s, server {agreement['server_mean_s']:.4f} s",
+            flush=True,
+        )
     print(f"report: {report_path}\nsamples: {samples_path}", flush=True)
     # Overrides Locust's own rule (exit 1 on any failed request): errors below the tier's ratio pass.
     environment.process_exit_code = 0 if report["passed"] else 1
@@ -147,8 +163,14 @@ class OpenAIStreamUser(FastHttpUser):
         domain, prompt = run.sampler.sample()
         sample = RequestSample(api=api, domain=domain, start=time.time())
         sent = time.perf_counter()
-        with self.client.request("POST", run.path(api), json=run.request_body(api, prompt), headers=run.headers,
-                                 stream=True, catch_response=True) as resp:
+        with self.client.request(
+            "POST",
+            run.path(api),
+            json=run.request_body(api, prompt),
+            headers=run.headers,
+            stream=True,
+            catch_response=True,
+        ) as resp:
             sample.status = resp.status_code
             meter = StreamMeter(sample, sent)
             try:
@@ -177,8 +199,14 @@ class OpenAIStreamUser(FastHttpUser):
         fire = self.environment.events.request.fire
 
         def row(kind: str, value: float, size: int = 0) -> None:
-            fire(request_type=kind, name=s.api, response_time=value, response_length=size, exception=None,
-                 context={})
+            fire(
+                request_type=kind,
+                name=s.api,
+                response_time=value,
+                response_length=size,
+                exception=None,
+                context={},
+            )
 
         if s.ttft_s is not None:
             row("TTFT", s.ttft_s * 1000, s.prompt_tokens or 0)

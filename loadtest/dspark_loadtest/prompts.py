@@ -16,8 +16,9 @@ class PromptSampler:
     the same domain as earlier context, so long prompts still read as that domain's traffic.
     """
 
-    def __init__(self, workload: Workload, seed: int | None = None,
-                 prompts: dict[str, list[str]] | None = None):
+    def __init__(
+        self, workload: Workload, seed: int | None = None, prompts: dict[str, list[str]] | None = None
+    ):
         self.prompts = prompts or BUILTIN_PROMPTS
         self.domains = [d for d, w in workload.mix.items() if w > 0]
         missing = [d for d in self.domains if not self.prompts.get(d)]
@@ -39,4 +40,6 @@ class PromptSampler:
             words += len(earlier.split())
         if not context:
             return domain, question
-        return domain, "Earlier questions:\n\n" + "\n\n".join(context) + "\n\nNow answer this one:\n\n" + question
+        return domain, "Earlier questions:\n\n" + "\n\n".join(
+            context
+        ) + "\n\nNow answer this one:\n\n" + question

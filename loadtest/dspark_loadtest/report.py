@@ -22,8 +22,11 @@ def build_report(tier: Tier, samples: list[RequestSample], server: ServerView | 
         "checks": [asdict(c) for c in checks],
         "table": format_table(tier.name, checks),
         "summary": {**asdict(summary), "error_ratio": summary.error_ratio},
-        "server": None if server is None else {
-            **asdict(server), "acceptance_rate": server.acceptance_rate,
+        "server": None
+        if server is None
+        else {
+            **asdict(server),
+            "acceptance_rate": server.acceptance_rate,
             "mean_accepted_per_draft": server.mean_accepted_per_draft,
         },
         "ttft_agreement": ttft_agreement(summary, server),
@@ -35,10 +38,13 @@ def ttft_agreement(summary: RunSummary, server: ServerView | None) -> dict | Non
     if server is None or server.ttft_mean_s is None or summary.ttft_mean_s is None:
         return None
     return {
-        "client_mean_s": summary.ttft_mean_s, "server_mean_s": server.ttft_mean_s,
+        "client_mean_s": summary.ttft_mean_s,
+        "server_mean_s": server.ttft_mean_s,
         "difference_s": summary.ttft_mean_s - server.ttft_mean_s,
-        "client_p50_s": summary.ttft_p50_s, "server_p50_s": server.ttft_p50_s,
-        "client_requests": summary.ttft_count, "server_requests": server.requests,
+        "client_p50_s": summary.ttft_p50_s,
+        "server_p50_s": server.ttft_p50_s,
+        "client_requests": summary.ttft_count,
+        "server_requests": server.requests,
     }
 
 

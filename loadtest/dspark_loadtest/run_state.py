@@ -28,9 +28,17 @@ def parse_mix(text: str) -> dict[str, float]:
 
 
 def resolve_tier(
-    tiers: TierFile, name: str | None, *, concurrency: int | None = None, seconds: float | None = None,
-    api: str | None = None, mix: str | None = None, prompt_words: int | None = None,
-    max_tokens: int | None = None, max_requests: int | None = None, max_error_ratio: float | None = None,
+    tiers: TierFile,
+    name: str | None,
+    *,
+    concurrency: int | None = None,
+    seconds: float | None = None,
+    api: str | None = None,
+    mix: str | None = None,
+    prompt_words: int | None = None,
+    max_tokens: int | None = None,
+    max_requests: int | None = None,
+    max_error_ratio: float | None = None,
 ) -> Tier:
     """The named tier (the first when unnamed) with command-line overrides, validated again."""
     tier = tiers.get(name) if name else tiers.tiers[0]
@@ -42,8 +50,11 @@ def resolve_tier(
     if mix:
         workload["mix"] = parse_mix(mix)
     if concurrency is not None or seconds is not None:
-        raw["load"] = {"shape": "constant", "users": concurrency or peak_users(stages(tier.load)),
-                       "duration": seconds or tier.load.duration}
+        raw["load"] = {
+            "shape": "constant",
+            "users": concurrency or peak_users(stages(tier.load)),
+            "duration": seconds or tier.load.duration,
+        }
     if max_requests is not None:
         raw["maxRequests"] = max_requests
     if max_error_ratio is not None:
@@ -103,8 +114,14 @@ class LoadRun:
 
     def request_body(self, api: str, prompt: str) -> dict:
         w = self.tier.workload
-        body = {"model": self.model, "max_tokens": w.max_tokens, "temperature": w.temperature,
-                "ignore_eos": w.ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": self.model,
+            "max_tokens": w.max_tokens,
+            "temperature": w.temperature,
+            "ignore_eos": w.ignore_eos,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if api == "chat":
             # logprobs without alternatives: one entry per token, so a multi-token chunk is counted right
             body.update(messages=[{"role": "user", "content": prompt}], logprobs=True, top_logprobs=0)

@@ -27,17 +27,37 @@ class ScenarioResult:
         return json.loads(path.read_text()) if path.exists() else None
 
 
-def locust_command(host: str, prefix: Path, scenario_seconds: float, options: dict[str, object],
-                   web_port: int | None = None, stop_timeout_s: int = STOP_TIMEOUT_S) -> list[str]:
+def locust_command(
+    host: str,
+    prefix: Path,
+    scenario_seconds: float,
+    options: dict[str, object],
+    web_port: int | None = None,
+    stop_timeout_s: int = STOP_TIMEOUT_S,
+) -> list[str]:
     """The Locust command line; `options` are the plugin's (`tier`, `concurrency`, ...), None/"" left out.
 
     The tier's shape ends the run (Locust ignores `--run-time` when a shape is present); `run_scenario`
     kills a process that outlives it. With `web_port` the run starts at once with the web UI on
     loopback, and the process quits a minute after the run.
     """
-    cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--host", host,
-           "--csv", str(prefix), "--html", f"{prefix}.html", "--report-prefix", str(prefix),
-           "--stop-timeout", str(stop_timeout_s)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(LOCUSTFILE),
+        "--host",
+        host,
+        "--csv",
+        str(prefix),
+        "--html",
+        f"{prefix}.html",
+        "--report-prefix",
+        str(prefix),
+        "--stop-timeout",
+        str(stop_timeout_s),
+    ]
     if web_port is None:
         cmd += ["--headless", "--only-summary"]
     else:
@@ -53,7 +73,10 @@ def child_env(api_key: str | None = None) -> dict[str, str]:
     the API key (kept off the command line, where other users of the machine could read it)."""
     import dspark
 
-    roots = {str(Path(dspark_loadtest.__file__).resolve().parents[1]), str(Path(dspark.__file__).resolve().parents[1])}
+    roots = {
+        str(Path(dspark_loadtest.__file__).resolve().parents[1]),
+        str(Path(dspark.__file__).resolve().parents[1]),
+    }
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([*sorted(roots), *filter(None, [env.get("PYTHONPATH")])])
     if api_key:
@@ -61,8 +84,15 @@ def child_env(api_key: str | None = None) -> dict[str, str]:
     return env
 
 
-def run_scenario(host: str, prefix: Path, scenario_seconds: float, options: dict[str, object],
-                 web_port: int | None = None, echo: bool = False, stop_timeout_s: int = STOP_TIMEOUT_S) -> ScenarioResult:
+def run_scenario(
+    host: str,
+    prefix: Path,
+    scenario_seconds: float,
+    options: dict[str, object],
+    web_port: int | None = None,
+    echo: bool = False,
+    stop_timeout_s: int = STOP_TIMEOUT_S,
+) -> ScenarioResult:
     """Run Locust to completion (killed if it outlives its bound) and return its exit code and output."""
     prefix.parent.mkdir(parents=True, exist_ok=True)
     options = dict(options)
@@ -70,7 +100,9 @@ def run_scenario(host: str, prefix: Path, scenario_seconds: float, options: dict
     cmd = locust_command(host, prefix, scenario_seconds, options, web_port, stop_timeout_s)
     bound = scenario_seconds + stop_timeout_s + 120 + (60 if web_port else 0)
     try:
-        proc = subprocess.run(cmd, env=child_env(api_key), capture_output=not echo, text=True, timeout=bound, check=False)
+        proc = subprocess.run(
+            cmd, env=child_env(api_key), capture_output=not echo, text=True, timeout=bound, check=False
+        )
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or "") + (e.stderr or "") if isinstance(e.stdout, str) else ""
         return ScenarioResult(124, prefix, out + f"\nlocust killed after {bound:.0f} s")

@@ -48,9 +48,7 @@ def histogram_mean(d: Snapshot, name: str) -> float | None:
 
 def histogram_quantile(d: Snapshot, name: str, q: float) -> float | None:
     """Prometheus' histogram_quantile: linear interpolation inside the bucket holding rank q."""
-    buckets = sorted(
-        (float(dict(labels)["le"]), v) for (n, labels), v in d.items() if n == name + "_bucket"
-    )
+    buckets = sorted((float(dict(labels)["le"]), v) for (n, labels), v in d.items() if n == name + "_bucket")
     if not buckets or buckets[-1][1] <= 0:
         return None
     rank = q * buckets[-1][1]
@@ -59,7 +57,9 @@ def histogram_quantile(d: Snapshot, name: str, q: float) -> float | None:
         if count >= rank:
             if math.isinf(bound):
                 return lower_bound
-            return lower_bound + (bound - lower_bound) * (rank - lower_count) / max(count - lower_count, 1e-12)
+            return lower_bound + (bound - lower_bound) * (rank - lower_count) / max(
+                count - lower_count, 1e-12
+            )
         lower_bound, lower_count = bound, count
     return lower_bound
 
@@ -78,7 +78,11 @@ class ServerView:
 
     @property
     def acceptance_rate(self) -> float | None:
-        return self.spec_decode_accepted_tokens / self.spec_decode_draft_tokens if self.spec_decode_draft_tokens else None
+        return (
+            self.spec_decode_accepted_tokens / self.spec_decode_draft_tokens
+            if self.spec_decode_draft_tokens
+            else None
+        )
 
     @property
     def mean_accepted_per_draft(self) -> float | None:

@@ -65,12 +65,20 @@ def summarize(samples: list[RequestSample]) -> RunSummary:
     chunks = sum(s.chunks for s in measured)
     span = (max(s.start + s.e2e_s for s in measured) - min(s.start for s in measured)) if measured else 0.0
     return RunSummary(
-        requests=len(finished), failures=len(finished) - len(ok), cut=len(samples) - len(finished),
-        ttft_p50_s=percentile(ttft, 50), ttft_p95_s=percentile(ttft, 95),
-        ttft_mean_s=float(np.mean(ttft)) if ttft else None, ttft_count=len(ttft),
-        tpot_p50_s=percentile(tpot, 50), itl_p50_s=percentile(itl, 50), itl_p99_s=percentile(itl, 99),
-        tokens_per_s_p50=percentile(tps, 50), tokens_per_s_p10=percentile(tps, 10),
-        output_tokens=tokens, tokens_per_chunk_mean=tokens / chunks if chunks else None,
+        requests=len(finished),
+        failures=len(finished) - len(ok),
+        cut=len(samples) - len(finished),
+        ttft_p50_s=percentile(ttft, 50),
+        ttft_p95_s=percentile(ttft, 95),
+        ttft_mean_s=float(np.mean(ttft)) if ttft else None,
+        ttft_count=len(ttft),
+        tpot_p50_s=percentile(tpot, 50),
+        itl_p50_s=percentile(itl, 50),
+        itl_p99_s=percentile(itl, 99),
+        tokens_per_s_p50=percentile(tps, 50),
+        tokens_per_s_p10=percentile(tps, 10),
+        output_tokens=tokens,
+        tokens_per_chunk_mean=tokens / chunks if chunks else None,
         aggregate_tokens_per_s=tokens / span if span > 0 else None,
     )
 
@@ -85,27 +93,44 @@ def evaluate(tier: Tier, summary: RunSummary) -> list[Check]:
         return Check(name, f"<= {target:g}", measured, measured is not None and measured <= target)
 
     checks = [
-        Check("successful requests", ">= 1", float(summary.requests - summary.failures),
-              summary.requests > summary.failures),
+        Check(
+            "successful requests",
+            ">= 1",
+            float(summary.requests - summary.failures),
+            summary.requests > summary.failures,
+        ),
         at_least("tokens/s per user p50", summary.tokens_per_s_p50, tier.tokens_per_second_per_user),
     ]
     if tier.tokens_per_second_per_user_p10 is not None:
-        checks.append(at_least("tokens/s per user p10", summary.tokens_per_s_p10, tier.tokens_per_second_per_user_p10))
+        checks.append(
+            at_least("tokens/s per user p10", summary.tokens_per_s_p10, tier.tokens_per_second_per_user_p10)
+        )
     checks.append(at_most("TTFT p95 (s)", summary.ttft_p95_s, tier.ttft_p95_seconds))
-    checks.append(Check("error ratio", f"<= {tier.max_error_ratio:g}", summary.error_ratio,
-                        summary.error_ratio <= tier.max_error_ratio,
-                        f"{summary.failures} of {summary.requests} requests failed"))
+    checks.append(
+        Check(
+            "error ratio",
+            f"<= {tier.max_error_ratio:g}",
+            summary.error_ratio,
+            summary.error_ratio <= tier.max_error_ratio,
+            f"{summary.failures} of {summary.requests} requests failed",
+        )
+    )
     return checks
 
 
 def format_table(tier_name: str, checks: list[Check]) -> str:
     """A plain-text pass/fail table, one row per check, and the verdict."""
-    rows = [(c.name, c.target, "-" if c.measured is None else f"{c.measured:.4g}", "PASS" if c.passed else "FAIL")
-            for c in checks]
+    rows = [
+        (c.name, c.target, "-" if c.measured is None else f"{c.measured:.4g}", "PASS" if c.passed else "FAIL")
+        for c in checks
+    ]
     header = ("check", "target", "measured", "result")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
     line = "  ".join(f"{{:<{w}}}" for w in widths)
-    out = [f"SLA tier {tier_name!r}", *(line.format(*r).rstrip() for r in [header, ["-" * w for w in widths], *rows])]
+    out = [
+        f"SLA tier {tier_name!r}",
+        *(line.format(*r).rstrip() for r in [header, ["-" * w for w in widths], *rows]),
+    ]
     verdict = "PASS" if all(c.passed for c in checks) else "FAIL"
     out.append(f"verdict: {verdict}")
     return "\n".join(out)

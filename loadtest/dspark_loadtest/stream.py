@@ -28,7 +28,9 @@ class RequestSample:
     output_tokens: int = 0
     prompt_tokens: int | None = None
     chunks: int = 0  # chunks that carried tokens
-    chunk_gaps: list[tuple[float, int]] = field(default_factory=list)  # (seconds since previous chunk, tokens)
+    chunk_gaps: list[tuple[float, int]] = field(
+        default_factory=list
+    )  # (seconds since previous chunk, tokens)
     decode_s: float | None = None  # first token to last token
 
     @property

@@ -99,7 +99,9 @@ class Tier(_Model):
         if p10 is not None and p10 > self.tokens_per_second_per_user:
             raise ValueError(f"tier {self.name!r}: the p10 speed target {p10} exceeds the p50 target")
         if self.min_replicas > self.max_replicas:
-            raise ValueError(f"tier {self.name!r}: minReplicas {self.min_replicas} > maxReplicas {self.max_replicas}")
+            raise ValueError(
+                f"tier {self.name!r}: minReplicas {self.min_replicas} > maxReplicas {self.max_replicas}"
+            )
         return self
 
 

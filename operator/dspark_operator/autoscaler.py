@@ -28,7 +28,9 @@ from dspark_operator.serving import set_workload_replicas, workload_replicas
 from dspark_operator.spec import ServiceSpec
 
 DESIRED_REPLICAS = Gauge(
-    "dspark_desired_replicas", "Replicas the DSpark operator wants for a service tier", ["namespace", "service", "tier"]
+    "dspark_desired_replicas",
+    "Replicas the DSpark operator wants for a service tier",
+    ["namespace", "service", "tier"],
 )
 
 
@@ -44,7 +46,9 @@ class PodsSource:
 
     def read_tier(self, kube: Kube, namespace: str, service: str, tier: str) -> TierMetrics | None:
         pods = kube.list("Pod", namespace, {builders.LABEL_SERVICE: service, builders.LABEL_TIER: tier})
-        return self.reader.read((namespace, service, tier), [url for pod in pods if (url := _metrics_url(pod))])
+        return self.reader.read(
+            (namespace, service, tier), [url for pod in pods if (url := _metrics_url(pod))]
+        )
 
 
 class PrometheusSource:
@@ -63,10 +67,14 @@ def metrics_source(config: OperatorConfig) -> TierMetricsSource:
 
 def _metrics_url(pod: dict[str, Any]) -> str | None:
     status = pod.get("status") or {}
-    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+    ready = any(
+        c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
+    )
     if status.get("phase") != "Running" or not ready or not status.get("podIP"):
         return None
-    ports = [p for c in pod["spec"].get("containers", []) for p in c.get("ports") or [] if p.get("name") == "http"]
+    ports = [
+        p for c in pod["spec"].get("containers", []) for p in c.get("ports") or [] if p.get("name") == "http"
+    ]
     return f"http://{status['podIP']}:{ports[0]['containerPort'] if ports else 8000}/metrics"
 
 
@@ -77,7 +85,9 @@ class AutoscaleOutcome:
     summary: str = ""
 
 
-def _capacity(kube: Kube, namespace: str, configmap: str, config: OperatorConfig, cache: dict) -> CapacityModel | None:
+def _capacity(
+    kube: Kube, namespace: str, configmap: str, config: OperatorConfig, cache: dict
+) -> CapacityModel | None:
     cm = kube.get("ConfigMap", namespace, configmap)
     if cm is None:
         return None
@@ -99,7 +109,9 @@ def autoscale_service(
     namespace, service = body["metadata"]["namespace"], body["metadata"]["name"]
     tier_status: dict[str, Any] = (body.get("status") or {}).get("tiers") or {}
     a = spec.autoscaling
-    policy = ScalingPolicy(a.tolerance, a.scale_up_cooldown_seconds, a.scale_down_cooldown_seconds, a.max_scale_up_factor)
+    policy = ScalingPolicy(
+        a.tolerance, a.scale_up_cooldown_seconds, a.scale_down_cooldown_seconds, a.max_scale_up_factor
+    )
     outcome = AutoscaleOutcome()
     decisions: dict[str, tuple[Decision, ScalingMemory, str, str, TierMetrics | None]] = {}
 
@@ -118,10 +130,17 @@ def autoscale_service(
         if memory.last_scale_time is None:
             # A new workload counts as just scaled, so nothing scales down before one cool-down.
             memory = replace(memory, last_scale_time=now)
-        capacity = _capacity(kube, namespace, builders.profile_configmap_name(service, status["nodeType"]), config,
-                             profile_cache)
+        capacity = _capacity(
+            kube,
+            namespace,
+            builders.profile_configmap_name(service, status["nodeType"]),
+            config,
+            profile_cache,
+        )
         metrics = source.read_tier(kube, namespace, service, tier.name)
-        target = TierTarget(tier.tokens_per_second_per_user, tier.ttft_p95_seconds, tier.min_replicas, tier.max_replicas)
+        target = TierTarget(
+            tier.tokens_per_second_per_user, tier.ttft_p95_seconds, tier.min_replicas, tier.max_replicas
+        )
         decision = decide(current, metrics, target, capacity, policy, memory, now)
         decisions[tier.name] = (decision, memory, kind, name, metrics)
 
@@ -136,11 +155,15 @@ def autoscale_service(
         if desired != decision.desired:
             reason += f"; limited to {desired} by maxTotalReplicas {a.max_total_replicas}"
         if desired == decision.current:  # no scaling happened: the cool-down clock keeps running
-            memory = replace(memory, last_scale_time=old_memory.last_scale_time, last_direction=old_memory.last_direction)
+            memory = replace(
+                memory, last_scale_time=old_memory.last_scale_time, last_direction=old_memory.last_direction
+            )
         if desired != decision.current:
             set_workload_replicas(kube, kind, namespace, name, desired)
             verb = "ScaledUp" if desired > decision.current else "ScaledDown"
-            outcome.events.append(Event("Normal", verb, f"tier {tier_name}: {decision.current} -> {desired}: {reason}"))
+            outcome.events.append(
+                Event("Normal", verb, f"tier {tier_name}: {decision.current} -> {desired}: {reason}")
+            )
         DESIRED_REPLICAS.labels(namespace, service, tier_name).set(desired)
         outcome.tiers[tier_name] = {
             "currentReplicas": decision.current,

@@ -96,7 +96,11 @@ def build_profile_job(
     itself never retries (backoffLimit 0) and is bounded by activeDeadlineSeconds.
     """
     service = body["metadata"]["name"]
-    labels = {**base_labels(service, "profile"), LABEL_NODE_TYPE: slug(node_type), LABEL_FINGERPRINT: fingerprint}
+    labels = {
+        **base_labels(service, "profile"),
+        LABEL_NODE_TYPE: slug(node_type),
+        LABEL_FINGERPRINT: fingerprint,
+    }
     annotations = {ANNOTATION_NODE_TYPE: node_type}
     volumes, mounts = _model_volumes(spec)
     script = (
@@ -190,9 +194,21 @@ def _serving_pod_spec(
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
         "env": [*env, *spec.env],
         # Loading weights can take minutes: the startup probe guards liveness until /health answers.
-        "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 90},
-        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 3},
-        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5, "failureThreshold": 2},
+        "startupProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 10,
+            "failureThreshold": 90,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 10,
+            "failureThreshold": 3,
+        },
+        "readinessProbe": {
+            "httpGet": {"path": "/ready", "port": "http"},
+            "periodSeconds": 5,
+            "failureThreshold": 2,
+        },
         "volumeMounts": [{"name": "sps-profile", "mountPath": PROFILE_MOUNT, "readOnly": True}, *mounts],
     }
     if spec.resources:
@@ -201,14 +217,22 @@ def _serving_pod_spec(
         "nodeSelector": {node_label: node_type},
         "tolerations": [GPU_TOLERATION],
         "volumes": [
-            {"name": "sps-profile", "configMap": {"name": profile_configmap, "items": [{"key": PROFILE_KEY, "path": PROFILE_KEY}]}},
+            {
+                "name": "sps-profile",
+                "configMap": {
+                    "name": profile_configmap,
+                    "items": [{"key": PROFILE_KEY, "path": PROFILE_KEY}],
+                },
+            },
             *volumes,
         ],
     }
     return container, pod_spec
 
 
-def _serving_meta(body: dict[str, Any], tier: TierSpec, node_type: str, fingerprint: str) -> tuple[dict, dict, dict]:
+def _serving_meta(
+    body: dict[str, Any], tier: TierSpec, node_type: str, fingerprint: str
+) -> tuple[dict, dict, dict]:
     service = body["metadata"]["name"]
     selector = {LABEL_SERVICE: service, LABEL_TIER: tier.name}
     labels = {**base_labels(service, "serving"), **selector, LABEL_NODE_TYPE: slug(node_type)}

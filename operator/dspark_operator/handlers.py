@@ -59,7 +59,9 @@ def login(**_: Any) -> kopf.ConnectionInfo:
 
 def _post(body: dict[str, Any], events: list) -> None:
     for event in events:
-        (kopf.warn if event.type == "Warning" else kopf.info)(body, reason=event.reason, message=event.message)
+        (kopf.warn if event.type == "Warning" else kopf.info)(
+            body, reason=event.reason, message=event.message
+        )
 
 
 def _condition(old: list[dict], type_: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
@@ -67,8 +69,13 @@ def _condition(old: list[dict], type_: str, ok: bool, reason: str, message: str)
     previous = next((c for c in old if c.get("type") == type_), None)
     changed = previous is None or previous.get("status") != status
     now = datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z")
-    return {"type": type_, "status": status, "reason": reason, "message": message,
-            "lastTransitionTime": now if changed else previous.get("lastTransitionTime", now)}
+    return {
+        "type": type_,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": now if changed else previous.get("lastTransitionTime", now),
+    }
 
 
 def _parse_spec(body: dict[str, Any], patch: kopf.Patch) -> ServiceSpec | None:
@@ -109,8 +116,16 @@ def _reconcile(body: dict[str, Any], patch: kopf.Patch, logger: logging.Logger) 
     profiles: dict[str, Any] = {t: None for t in old_profiles if t not in present}  # None removes the key
     events = []
     for node_type in present:
-        outcome = reconcile_profile(kube, body, spec, node_label, node_type, old_profiles.get(node_type), now,
-                                    CONFIG.profile_timeout_grace_seconds)
+        outcome = reconcile_profile(
+            kube,
+            body,
+            spec,
+            node_label,
+            node_type,
+            old_profiles.get(node_type),
+            now,
+            CONFIG.profile_timeout_grace_seconds,
+        )
         profiles[node_type] = outcome.status
         events += outcome.events
     ready = {t: p["fingerprint"] for t, p in profiles.items() if p and p.get("state") == "Ready"}
@@ -119,14 +134,17 @@ def _reconcile(body: dict[str, Any], patch: kopf.Patch, logger: logging.Logger) 
     events += workloads.events
     _post(body, events)
     if workloads.kserve_missing:
-        kopf.warn(body, reason="KServeMissing", message="serving.kind InferenceService but KServe's CRD is absent; "
-                  "serving with Deployments")
+        kopf.warn(
+            body,
+            reason="KServeMissing",
+            message="serving.kind InferenceService but KServe's CRD is absent; serving with Deployments",
+        )
 
     tiers_patch = {}
     for name, placement in workloads.tiers.items():
         created = placement.pop("created", False)
         tiers_patch[name] = {**placement, **({"lastScaleTime": now} if created else {})}
-    for name in (status.get("tiers") or {}):
+    for name in status.get("tiers") or {}:
         if name not in workloads.tiers:
             tiers_patch[name] = None
     failed = [t for t, p in profiles.items() if p and p.get("state") == "Failed"]
@@ -134,27 +152,46 @@ def _reconcile(body: dict[str, Any], patch: kopf.Patch, logger: logging.Logger) 
     old_conditions = list(status.get("conditions") or [])
     conditions = [
         _condition(old_conditions, "SpecValid", True, "Valid", ""),
-        _condition(old_conditions, "ProfilesReady", bool(ready) and not failed,
-                   "Failed" if failed else ("Ready" if ready else "Profiling"),
-                   f"ready on {sorted(ready)}" + (f"; failed on {failed}" if failed else "")
-                   if present else f"no node carries {node_label} in {list(spec.node_types)}"),
-        _condition(old_conditions, "TiersDeployed", len(deployed) == len(spec.tiers),
-                   "Deployed" if len(deployed) == len(spec.tiers) else "WaitingForProfile",
-                   f"{len(deployed)}/{len(spec.tiers)} tiers deployed"),
+        _condition(
+            old_conditions,
+            "ProfilesReady",
+            bool(ready) and not failed,
+            "Failed" if failed else ("Ready" if ready else "Profiling"),
+            f"ready on {sorted(ready)}" + (f"; failed on {failed}" if failed else "")
+            if present
+            else f"no node carries {node_label} in {list(spec.node_types)}",
+        ),
+        _condition(
+            old_conditions,
+            "TiersDeployed",
+            len(deployed) == len(spec.tiers),
+            "Deployed" if len(deployed) == len(spec.tiers) else "WaitingForProfile",
+            f"{len(deployed)}/{len(spec.tiers)} tiers deployed",
+        ),
     ]
     if workloads.kserve_missing:
-        conditions.append(_condition(old_conditions, "KServeAvailable", False, "CRDMissing",
-                                     "KServe is not installed; using Deployments"))
-    phase = ("Ready" if len(deployed) == len(spec.tiers) and not failed
-             else "Degraded" if failed else "Profiling")
-    patch.status.update({
-        "phase": phase,
-        "profiles": profiles,
-        "profilesReady": f"{len(ready)}/{len(present)}",
-        "tiers": tiers_patch,
-        "conditions": conditions,
-        "observedGeneration": body["metadata"].get("generation"),
-    })
+        conditions.append(
+            _condition(
+                old_conditions,
+                "KServeAvailable",
+                False,
+                "CRDMissing",
+                "KServe is not installed; using Deployments",
+            )
+        )
+    phase = (
+        "Ready" if len(deployed) == len(spec.tiers) and not failed else "Degraded" if failed else "Profiling"
+    )
+    patch.status.update(
+        {
+            "phase": phase,
+            "profiles": profiles,
+            "profilesReady": f"{len(ready)}/{len(present)}",
+            "tiers": tiers_patch,
+            "conditions": conditions,
+            "observedGeneration": body["metadata"].get("generation"),
+        }
+    )
 
 
 @kopf.on.resume(*RESOURCE)
@@ -178,9 +215,13 @@ def autoscale_timer(
         spec = ServiceSpec.model_validate(plain["spec"])
     except pydantic.ValidationError:
         return  # reconcile reports it
-    outcome = autoscale_service(_State.kube, plain, spec, CONFIG, _State.source, _State.profile_cache, time.time())
+    outcome = autoscale_service(
+        _State.kube, plain, spec, CONFIG, _State.source, _State.profile_cache, time.time()
+    )
     if stopped:  # deleted while this pass ran: leave no metric series behind
-        forget_service(plain["metadata"]["namespace"], plain["metadata"]["name"], [t.name for t in spec.tiers])
+        forget_service(
+            plain["metadata"]["namespace"], plain["metadata"]["name"], [t.name for t in spec.tiers]
+        )
         return
     _post(plain, outcome.events)
     for event in outcome.events:

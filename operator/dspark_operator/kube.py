@@ -118,7 +118,9 @@ class Kube:
                 return None
             raise
 
-    def list(self, kind: str, namespace: str | None, labels: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+    def list(
+        self, kind: str, namespace: str | None, labels: Mapping[str, str] | None = None
+    ) -> list[dict[str, Any]]:
         query = {"labelSelector": ",".join(f"{k}={v}" for k, v in labels.items())} if labels else None
         items = self._call("GET", self._path(kind, namespace), query=query).get("items", [])
         # Filter here as well: the selector is an optimization, the match is the contract.
@@ -129,7 +131,10 @@ class Kube:
 
     def patch(self, kind: str, namespace: str | None, name: str, patch: dict[str, Any]) -> dict[str, Any]:
         return self._call(
-            "PATCH", self._path(kind, namespace, name), body=patch, content_type="application/merge-patch+json"
+            "PATCH",
+            self._path(kind, namespace, name),
+            body=patch,
+            content_type="application/merge-patch+json",
         )
 
     def delete(self, kind: str, namespace: str | None, name: str) -> bool:
@@ -143,7 +148,9 @@ class Kube:
         return True
 
     def pod_log(self, namespace: str, name: str, container: str) -> str:
-        return self._call("GET", self._path("Pod", namespace, name, "log"), query={"container": container}, raw=True)
+        return self._call(
+            "GET", self._path("Pod", namespace, name, "log"), query={"container": container}, raw=True
+        )
 
     def crd_exists(self, name: str) -> bool:
         try:

@@ -44,7 +44,9 @@ def histogram_quantile(q: float, buckets: Mapping[float, float]) -> float | None
 class MetricsSample:
     """Cumulative counters and histograms of one or more pods at one instant."""
 
-    histograms: dict[str, dict[float, float]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
+    histograms: dict[str, dict[float, float]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(float))
+    )
     counters: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     gauges: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
@@ -88,7 +90,9 @@ def _delta(now: Mapping, before: Mapping | None) -> dict:
 def tier_metrics_from_samples(current: MetricsSample, previous: MetricsSample | None) -> TierMetrics:
     """Interval metrics of a tier from two cumulative samples (or from the start, without `previous`)."""
     prev_h = previous.histograms if previous else {}
-    tps = histogram_quantile(0.5, _delta(current.histograms.get(TOKENS_PER_USER, {}), prev_h.get(TOKENS_PER_USER)))
+    tps = histogram_quantile(
+        0.5, _delta(current.histograms.get(TOKENS_PER_USER, {}), prev_h.get(TOKENS_PER_USER))
+    )
     ttft = histogram_quantile(0.95, _delta(current.histograms.get(TTFT, {}), prev_h.get(TTFT)))
     counters = _delta(current.counters, previous.counters if previous else None)
     drafts = counters.get(DRAFTS, 0.0)

@@ -59,7 +59,9 @@ class SpsProfile(BaseModel):
     def summary(self) -> dict[str, Any]:
         """A few numbers for the service status: the curve's range and where it halves."""
         first, last = self.points[0], self.points[-1]
-        half = next((p.batch_tokens for p in self.points if p.steps_per_second <= first.steps_per_second / 2), None)
+        half = next(
+            (p.batch_tokens for p in self.points if p.steps_per_second <= first.steps_per_second / 2), None
+        )
         return {
             "device": self.device,
             "points": len(self.points),

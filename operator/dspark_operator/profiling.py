@@ -78,8 +78,11 @@ def harvest_profile(kube: Kube, job: dict[str, Any]) -> SpsProfile:
 
 
 def _find_jobs(kube: Kube, namespace: str, service: str, node_type: str) -> list[dict[str, Any]]:
-    labels = {builders.LABEL_SERVICE: service, builders.LABEL_COMPONENT: "profile",
-              builders.LABEL_NODE_TYPE: builders.slug(node_type)}
+    labels = {
+        builders.LABEL_SERVICE: service,
+        builders.LABEL_COMPONENT: "profile",
+        builders.LABEL_NODE_TYPE: builders.slug(node_type),
+    }
     return [j for j in kube.list("Job", namespace, labels) if not j["metadata"].get("deletionTimestamp")]
 
 
@@ -108,12 +111,23 @@ def reconcile_profile(
     jobs = [j for j in jobs if j["metadata"]["labels"].get(builders.LABEL_FINGERPRINT) == fingerprint]
 
     configmap = kube.get("ConfigMap", namespace, cm_name)
-    if configmap and (configmap["metadata"].get("labels") or {}).get(builders.LABEL_FINGERPRINT) == fingerprint:
+    if (
+        configmap
+        and (configmap["metadata"].get("labels") or {}).get(builders.LABEL_FINGERPRINT) == fingerprint
+    ):
         for job in jobs:
             kube.delete("Job", namespace, job["metadata"]["name"])
         profile = SpsProfile.model_validate_json(configmap["data"][builders.PROFILE_KEY])
-        return ProfileOutcome({**base, "state": "Ready", "job": None, "nextRetryAt": None, "message": None,
-                               "summary": profile.summary()})
+        return ProfileOutcome(
+            {
+                **base,
+                "state": "Ready",
+                "job": None,
+                "nextRetryAt": None,
+                "message": None,
+                "summary": profile.summary(),
+            }
+        )
 
     job = max(jobs, key=lambda j: int(j["metadata"]["labels"].get(LABEL_ATTEMPT, "0")), default=None)
     if job is not None:
@@ -134,20 +148,35 @@ def reconcile_profile(
                 kube.apply(builders.build_profile_configmap(body, node_type, fingerprint, profile.to_json()))
                 kube.delete("Job", namespace, job_name)
                 return ProfileOutcome(
-                    {**base, "state": "Ready", "job": None, "nextRetryAt": None, "message": None,
-                     "summary": profile.summary()},
-                    [Event("Normal", "ProfileReady", f"{node_type}: {len(profile.points)} points from {job_name}")],
+                    {
+                        **base,
+                        "state": "Ready",
+                        "job": None,
+                        "nextRetryAt": None,
+                        "message": None,
+                        "summary": profile.summary(),
+                    },
+                    [
+                        Event(
+                            "Normal",
+                            "ProfileReady",
+                            f"{node_type}: {len(profile.points)} points from {job_name}",
+                        )
+                    ],
                 )
         kube.delete("Job", namespace, job_name)
         if attempts >= spec.profiling.max_attempts:
             message = f"{failure}; giving up after {attempts} attempts"
-            return ProfileOutcome({**base, "state": "Failed", "job": None, "nextRetryAt": None, "message": message},
-                                  [Event("Warning", "ProfilingFailed", f"{node_type}: {message}")])
+            return ProfileOutcome(
+                {**base, "state": "Failed", "job": None, "nextRetryAt": None, "message": message},
+                [Event("Warning", "ProfilingFailed", f"{node_type}: {message}")],
+            )
         delay = spec.profiling.backoff_seconds * 2 ** (attempts - 1)
         message = f"{failure}; retry {attempts + 1}/{spec.profiling.max_attempts} in {delay:g}s"
-        return ProfileOutcome({**base, "state": "Retrying", "job": None, "nextRetryAt": iso(now + delay),
-                               "message": message},
-                              [Event("Warning", "ProfilingRetry", f"{node_type}: {message}")])
+        return ProfileOutcome(
+            {**base, "state": "Retrying", "job": None, "nextRetryAt": iso(now + delay), "message": message},
+            [Event("Warning", "ProfilingRetry", f"{node_type}: {message}")],
+        )
 
     if same_fp and previous.get("state") == "Failed":
         return ProfileOutcome({**previous})  # terminal until the spec changes the fingerprint
@@ -166,7 +195,19 @@ def reconcile_profile(
         if exc.status != 409:  # 409: a concurrent pass created it first
             raise
     return ProfileOutcome(
-        {**base, "attempts": attempts, "state": "Running", "job": new_job["metadata"]["name"], "nextRetryAt": None,
-         "message": None},
-        [Event("Normal", "ProfilingStarted", f"{node_type}: job {new_job['metadata']['name']} (attempt {attempts})")],
+        {
+            **base,
+            "attempts": attempts,
+            "state": "Running",
+            "job": new_job["metadata"]["name"],
+            "nextRetryAt": None,
+            "message": None,
+        },
+        [
+            Event(
+                "Normal",
+                "ProfilingStarted",
+                f"{node_type}: job {new_job['metadata']['name']} (attempt {attempts})",
+            )
+        ],
     )

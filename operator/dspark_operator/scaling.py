@@ -49,11 +49,15 @@ class CapacityModel:
             n += 1
         return n
 
-    def calibrated(self, accepted_per_step: float | None, verify_tokens_per_request: float | None) -> CapacityModel:
+    def calibrated(
+        self, accepted_per_step: float | None, verify_tokens_per_request: float | None
+    ) -> CapacityModel:
         """The same profile with measured tau and v where the metrics provide them."""
         return replace(
             self,
-            accepted_per_step=accepted_per_step if accepted_per_step and accepted_per_step > 0 else self.accepted_per_step,
+            accepted_per_step=accepted_per_step
+            if accepted_per_step and accepted_per_step > 0
+            else self.accepted_per_step,
             verify_tokens_per_request=(
                 verify_tokens_per_request
                 if verify_tokens_per_request and verify_tokens_per_request > 0
@@ -199,7 +203,9 @@ def decide(
 
     def scale(desired: int, rec: int, reason: str) -> Decision:
         direction = (desired > current) - (desired < current)
-        return Decision(current, desired, rec, reason, replace(memory, last_scale_time=now, last_direction=direction))
+        return Decision(
+            current, desired, rec, reason, replace(memory, last_scale_time=now, last_direction=direction)
+        )
 
     if current < target.min_replicas or current > target.max_replicas:
         bounded = _clamp(current, target)
@@ -213,7 +219,10 @@ def decide(
 
     if rec > current:
         if since_last < policy.scale_up_cooldown_seconds:
-            return hold(rec, f"{reason}; scale-up cool-down ({policy.scale_up_cooldown_seconds - since_last:.0f}s left)")
+            return hold(
+                rec,
+                f"{reason}; scale-up cool-down ({policy.scale_up_cooldown_seconds - since_last:.0f}s left)",
+            )
         step_cap = max(current + 1, math.ceil(current * policy.max_scale_up_factor))
         return scale(min(rec, step_cap), rec, reason)
     if rec < current:
@@ -221,7 +230,10 @@ def decide(
         if stabilized >= current:
             return hold(rec, f"{reason}; stabilizing (recent recommendation {stabilized})")
         if since_last < policy.scale_down_cooldown_seconds:
-            return hold(rec, f"{reason}; scale-down cool-down ({policy.scale_down_cooldown_seconds - since_last:.0f}s left)")
+            return hold(
+                rec,
+                f"{reason}; scale-down cool-down ({policy.scale_down_cooldown_seconds - since_last:.0f}s left)",
+            )
         return scale(stabilized, rec, reason)
     return hold(rec, reason)
 

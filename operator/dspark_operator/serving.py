@@ -71,9 +71,13 @@ def reconcile_workloads(
         previous = tier_status.get(tier.name) or {}
         replicas = int(previous.get("desiredReplicas") or tier.min_replicas)
         if kind == "InferenceService":
-            obj = builders.build_inference_service(body, spec, tier, node_label, node_type, fingerprint, replicas)
+            obj = builders.build_inference_service(
+                body, spec, tier, node_label, node_type, fingerprint, replicas
+            )
         else:
-            obj = builders.build_serving_deployment(body, spec, tier, node_label, node_type, fingerprint, replicas)
+            obj = builders.build_serving_deployment(
+                body, spec, tier, node_label, node_type, fingerprint, replicas
+            )
             kube.apply(builders.build_serving_service(body, spec, tier))
         if previous.get("kind") not in (None, kind):  # the serving kind was switched
             kube.delete(previous["kind"], namespace, name)
@@ -81,14 +85,23 @@ def reconcile_workloads(
                 kube.delete("Service", namespace, name)
         _, created = kube.apply(obj, keep_replicas=True)
         if created:
-            outcome.events.append(Event("Normal", "WorkloadCreated", f"tier {tier.name}: {kind} {name} on {node_type}"))
-        outcome.tiers[tier.name] = {"state": "Deployed", "nodeType": node_type, "kind": kind, "workload": name,
-                                    "profileFingerprint": fingerprint, "created": created}
+            outcome.events.append(
+                Event("Normal", "WorkloadCreated", f"tier {tier.name}: {kind} {name} on {node_type}")
+            )
+        outcome.tiers[tier.name] = {
+            "state": "Deployed",
+            "nodeType": node_type,
+            "kind": kind,
+            "workload": name,
+            "profileFingerprint": fingerprint,
+            "created": created,
+        }
 
     wanted = {t.name for t in spec.tiers}
     for stale_kind in ("Deployment", "Service"):
-        for obj in kube.list(stale_kind, namespace, {builders.LABEL_SERVICE: service,
-                                                     builders.LABEL_COMPONENT: "serving"}):
+        for obj in kube.list(
+            stale_kind, namespace, {builders.LABEL_SERVICE: service, builders.LABEL_COMPONENT: "serving"}
+        ):
             if obj["metadata"]["labels"].get(builders.LABEL_TIER) not in wanted:
                 kube.delete(stale_kind, namespace, obj["metadata"]["name"])
     return outcome

@@ -62,14 +62,18 @@ class TierSpec(_Spec):
     @model_validator(mode="after")
     def _bounds_ordered(self) -> TierSpec:
         if self.min_replicas > self.max_replicas:
-            raise ValueError(f"tier {self.name!r}: minReplicas {self.min_replicas} > maxReplicas {self.max_replicas}")
+            raise ValueError(
+                f"tier {self.name!r}: minReplicas {self.min_replicas} > maxReplicas {self.max_replicas}"
+            )
         return self
 
 
 class ServiceSpec(_Spec):
     model: ModelSource
     image: str = Field(min_length=1)
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent", alias="imagePullPolicy")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", alias="imagePullPolicy"
+    )
     policy: str = "dspark"
     dtype: str = "bfloat16"
     extra_args: tuple[str, ...] = Field((), alias="extraArgs")
@@ -89,7 +93,9 @@ class ServiceSpec(_Spec):
             raise ValueError(f"tier names must be unique, got {names}")
         for tier in self.tiers:
             if unknown := set(tier.node_types) - set(self.node_types):
-                raise ValueError(f"tier {tier.name!r}: nodeTypes {sorted(unknown)} are not in the service's nodeTypes")
+                raise ValueError(
+                    f"tier {tier.name!r}: nodeTypes {sorted(unknown)} are not in the service's nodeTypes"
+                )
         return self
 
     def tier_node_types(self, tier: TierSpec) -> tuple[str, ...]:

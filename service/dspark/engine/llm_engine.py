@@ -305,7 +305,9 @@ class LLMEngine:
         tokens = tokens[:kept]
         delta = ""
         if request.detokenizer is not None:
-            delta = new_text(request, request.detokenizer.add(tokens, final=request.finish_reason is not None))
+            delta = new_text(
+                request, request.detokenizer.add(tokens, final=request.finish_reason is not None)
+            )
         logprobs = None
         if request.params.logprobs is not None:
             logprobs = _logprobs(token_logits[:kept], tokens, request.params.logprobs)
