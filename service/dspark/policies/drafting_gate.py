@@ -11,13 +11,13 @@ verifies no draft tokens.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Sequence
 
 import torch
 
 from dspark.policies.prefix_scheduler import SpsFn, early_stop, expected_throughputs, ranked_candidates
-from dspark.profiling.interpolation import interp_flat
 
 
 def ewma(old: float | None, new: float, alpha: float) -> float:
@@ -65,10 +65,16 @@ def _padded(rows: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _interp(table: dict[int, float], x: int) -> float:
+    """Linear between the known keys around x, flat beyond both ends (plain Python: a handful of
+    keys, called on the hot path)."""
     known = sorted(table)
-    xp = torch.tensor(known, dtype=torch.float64)
-    fp = torch.tensor([table[k] for k in known], dtype=torch.float64)
-    return float(interp_flat(torch.tensor([float(x)]), xp, fp)[0])
+    right = bisect.bisect_right(known, x)
+    if right == 0:
+        return table[known[0]]
+    if right == len(known):
+        return table[known[-1]]
+    x0, x1 = known[right - 1], known[right]
+    return table[x0] + (x - x0) / (x1 - x0) * (table[x1] - table[x0])
 
 
 class DraftingGate:
