@@ -231,7 +231,7 @@ def test_plain_steps_overhead_is_measured_on_a_skipped_step_and_used_for_the_com
 
 
 def test_acceptance_scale_tracks_observed_over_predicted_per_position_and_rescales_survival() -> None:
-    scale = AcceptanceScale(prior_tokens=5.0)
+    scale = AcceptanceScale(decay=0.98, prior_tokens=5.0)
     assert scale.factor == 1.0
     for _ in range(300):
         # Position 1 promised twice what it returns, position 2 half; position 3 never verified.
@@ -246,6 +246,22 @@ def test_acceptance_scale_tracks_observed_over_predicted_per_position_and_rescal
     assert survival_probabilities(scaled) == pytest.approx(expected)
     assert bool((scaled >= 0).all() and (scaled <= 1).all())
     assert conf[0, 0] == 0.8  # the input is left alone
+
+
+def test_acceptance_scale_forgets_per_request_round_not_per_step() -> None:
+    """At one request, position 2 predicts about 0.1 tokens a step: a window of 50 steps (the old
+    per-step forgetting, 0.98) holds 5 predicted tokens, so the 5-token prior kept its factor near
+    1 however little was accepted. Forgetting per request round gathers the evidence."""
+    per_round, per_step = AcceptanceScale(), AcceptanceScale(decay=0.98)
+    for _ in range(2000):  # one request a step; position 2 promises 0.1 and returns nothing
+        per_round.observe(predicted=[0.5, 0.1], accepted=[1, 0], rounds=1)
+        per_step.observe(predicted=[0.5, 0.1], accepted=[1, 0], rounds=1)
+    assert float(per_round.factors(2)[1]) < 0.1
+    assert float(per_step.factors(2)[1]) > 0.45
+    many = AcceptanceScale()  # 64 requests a step: the same evidence in 1/64 of the steps
+    for _ in range(2000 // 64):
+        many.observe(predicted=[32.0, 6.4], accepted=[64, 0], rounds=64)
+    assert float(many.factors(2)[1]) == pytest.approx(float(per_round.factors(2)[1]), rel=0.25)
 
 
 def test_over_confident_drafts_stop_being_verified_and_drafted() -> None:

@@ -11,8 +11,11 @@ import torch
 
 class AcceptanceScale:
     """Per position k: draft tokens accepted at k over the survival the confidences predicted at
-    k (over the verified positions), both summed with exponential forgetting over drafted steps,
-    with a prior of `prior_tokens` at ratio 1. Calibration is fitted offline on one prompt mix
+    k (over the verified positions), both summed with exponential forgetting, with a prior of
+    `prior_tokens` at ratio 1. Forgetting is per request round that verified something
+    (`decay` each), not per step: at one request a per-step window of 50 steps held about three
+    predicted tokens at position 2, so the prior kept that factor near 1 whatever was accepted,
+    while 64 requests fill the same window in one step. Calibration is fitted offline on one prompt mix
     and has few positive rounds past the first positions; live traffic (other prompts, other
     lengths, text past an ignored EOS) can differ, and a scheduler that trusts over-confident
     survival verifies too much, while under-confident later positions leave cheap tokens
@@ -23,19 +26,21 @@ class AcceptanceScale:
     on earlier steps only, so schedules stay lossless.
     """
 
-    def __init__(self, decay: float = 0.98, prior_tokens: float = 5.0) -> None:
+    def __init__(self, decay: float = 0.999, prior_tokens: float = 5.0) -> None:
         self.decay = decay
         self.prior_tokens = prior_tokens
         self._predicted = torch.zeros(0, dtype=torch.float64)
         self._accepted = torch.zeros(0, dtype=torch.float64)
 
-    def observe(self, predicted: Sequence[float], accepted: Sequence[int]) -> None:
-        """Predicted survival and accepted tokens per position of one drafted step."""
+    def observe(self, predicted: Sequence[float], accepted: Sequence[int], rounds: int = 1) -> None:
+        """Predicted survival and accepted tokens per position of one drafted step, in which
+        `rounds` requests verified draft tokens."""
         if not predicted or not all(math.isfinite(p) and p >= 0 for p in predicted):
             return
         width = max(len(predicted), self._predicted.numel())
-        self._predicted = _grown(self._predicted, width) * self.decay
-        self._accepted = _grown(self._accepted, width) * self.decay
+        forget = self.decay ** max(rounds, 1)
+        self._predicted = _grown(self._predicted, width) * forget
+        self._accepted = _grown(self._accepted, width) * forget
         self._predicted[: len(predicted)] += torch.tensor(predicted, dtype=torch.float64)
         counts = torch.tensor(list(accepted)[: len(predicted)], dtype=torch.float64)
         self._accepted[: counts.numel()] += counts

@@ -102,7 +102,8 @@ class _SpsPolicy(ConfidencePolicy):
         drift = self.sps.drift()
         if stats.drafted:
             self.gate.cost.observe(len(stats.verify_budgets), stats.draft_time_s / drift, stats.draft_horizon)
-            self.acceptance.observe(stats.predicted_per_position, stats.accepted_per_position)
+            rounds = sum(1 for budget in stats.verify_budgets if budget > 0)
+            self.acceptance.observe(stats.predicted_per_position, stats.accepted_per_position, rounds)
         other_s = (stats.step_time_s - stats.forward_time_s - stats.draft_time_s) / drift
         if stats.num_prefill_tokens or other_s < 0:  # prefills add their own cache commits
             return
