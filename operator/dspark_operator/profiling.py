@@ -118,16 +118,7 @@ def reconcile_profile(
         for job in jobs:
             kube.delete("Job", namespace, job["metadata"]["name"])
         profile = SpsProfile.model_validate_json(configmap["data"][builders.PROFILE_KEY])
-        return ProfileOutcome(
-            {
-                **base,
-                "state": "Ready",
-                "job": None,
-                "nextRetryAt": None,
-                "message": None,
-                "summary": profile.summary(),
-            }
-        )
+        return ProfileOutcome(_ready(base, profile))
 
     job = max(jobs, key=lambda j: int(j["metadata"]["labels"].get(LABEL_ATTEMPT, "0")), default=None)
     if job is not None:
@@ -148,14 +139,7 @@ def reconcile_profile(
                 kube.apply(builders.build_profile_configmap(body, node_type, fingerprint, profile.to_json()))
                 kube.delete("Job", namespace, job_name)
                 return ProfileOutcome(
-                    {
-                        **base,
-                        "state": "Ready",
-                        "job": None,
-                        "nextRetryAt": None,
-                        "message": None,
-                        "summary": profile.summary(),
-                    },
+                    _ready(base, profile),
                     [
                         Event(
                             "Normal",
@@ -211,3 +195,15 @@ def reconcile_profile(
             )
         ],
     )
+
+
+def _ready(base: dict, profile: SpsProfile) -> dict:
+    """The node type's status once its profile is stored."""
+    return {
+        **base,
+        "state": "Ready",
+        "job": None,
+        "nextRetryAt": None,
+        "message": None,
+        "summary": profile.summary(),
+    }

@@ -22,10 +22,10 @@ class OnlineSps:
 
     `drift` follows the error of every observation quickly (rate `drift_alpha`), the per-size
     corrections slowly (the curve's shape), so a node that slows down (or speeds up) while only
-    some batch sizes run moves the estimate at all of them: the
-    drafting gate compares batch sizes it measured at different times (a decode step without
-    drafting, one with), and per-size corrections alone left the one not run lately at the
-    machine's speed of back then. `drift_alpha=0` learns the corrections alone.
+    some batch sizes run moves the estimate at all of them. The drafting gate compares batch
+    sizes measured at different times (a decode step without drafting, one with); per-size
+    corrections alone left the one not run lately at the machine's speed of back then.
+    `drift_alpha=0` learns the corrections alone.
 
     Each observation (B, seconds) gives the log ratio of observed to prior step time at B; what
     the drift leaves of it is shared between the two grid points around B in proportion to their
