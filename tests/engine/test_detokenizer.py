@@ -29,14 +29,16 @@ def _token_streams(tokenizer) -> list[list[int]]:
     return streams
 
 
-def _feed(detok: Detokenizer, ids: list[int], rng: random.Random, full) -> None:
+def _feed(detok: Detokenizer, out: list[int], ids: list[int], rng: random.Random, full) -> None:
+    """Append `ids` to the detokenizer's live list `out` a step at a time, checking its text."""
     i = 0
     while i < len(ids):
         n = rng.randint(1, 4)  # a step accepts one to several tokens
         chunk = ids[i : i + n]
         i += len(chunk)
         final = i >= len(ids)
-        text = detok.add(chunk, final=final)
+        out.extend(chunk)
+        text = detok.update(final=final)
         expected = full(ids[:i])
         if final:
             assert text == expected
@@ -47,9 +49,10 @@ def _feed(detok: Detokenizer, ids: list[int], rng: random.Random, full) -> None:
 def test_streamed_text_matches_full_decode(tokenizer) -> None:
     rng = random.Random(1)
     for ids in _token_streams(tokenizer):
-        detok = Detokenizer(tokenizer)
+        out: list[int] = []
+        detok = Detokenizer(tokenizer, out)
         assert detok.streaming  # the fast tokenizer streams: this test checks DecodeStream
-        _feed(detok, ids, rng, lambda prefix: tokenizer.decode(prefix, skip_special_tokens=True))
+        _feed(detok, out, ids, rng, lambda prefix: tokenizer.decode(prefix, skip_special_tokens=True))
 
 
 class _SlowTokenizer:
@@ -68,6 +71,7 @@ def test_tokenizers_that_cannot_stream_decode_the_whole_output(tokenizer, slow) 
         subject.clean_up_tokenization_spaces = True
     full = lambda prefix: tokenizer.decode(prefix, skip_special_tokens=True)  # noqa: E731
     for ids in _token_streams(tokenizer)[:4]:
-        detok = Detokenizer(subject)
+        out: list[int] = []
+        detok = Detokenizer(subject, out)
         assert not detok.streaming
-        _feed(detok, ids, random.Random(2), full)
+        _feed(detok, out, ids, random.Random(2), full)

@@ -107,18 +107,16 @@ def run_decode_bench(
         for name, k in (("HF generate plain", None), (f"HF generate prompt-lookup {lookup}", lookup)):
             runners[name] = lambda ids, k=k: (*time_hf(hf, ids, max_tokens, plain.eos_ids, k), 1.0)
     results: list[Measurement] = []
-    index = 0
-    for domain, texts in prompts.items():
-        for text in texts:
-            ids = encode_prompt(plain.tokenizer, text)
-            order = list(runners)
-            for repeat in range(repeats):
-                for name in order if repeat % 2 == 0 else reversed(order):
-                    n, s, tau = runners[name](ids)
-                    results.append(Measurement(name, domain, n, s, tau, index))
-            index += 1
-            if progress:
-                progress(1)
+    order = list(runners)
+    flat = [(domain, text) for domain, texts in prompts.items() for text in texts]
+    for index, (domain, text) in enumerate(flat):
+        ids = encode_prompt(plain.tokenizer, text)
+        for repeat in range(repeats):
+            for name in order if repeat % 2 == 0 else reversed(order):
+                n, s, tau = runners[name](ids)
+                results.append(Measurement(name, domain, n, s, tau, index))
+        if progress:
+            progress(1)
     return results
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from tokenizers.decoders import DecodeStream
 
 
@@ -18,29 +16,33 @@ class Detokenizer:
     every step instead. The last call (`final=True`) decodes the whole output once, so the
     finished text is exactly `tokenizer.decode(ids, skip_special_tokens=True)`, an incomplete
     last character included (as U+FFFD).
+
+    `ids` is the caller's live list of output token ids (the request's own, not a copy); `update`
+    decodes what was appended since the previous call.
     """
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, ids: list[int]) -> None:
         self._tokenizer = tokenizer
+        self._ids = ids
+        self._decoded = 0  # how many of `ids` the stream has consumed
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         if getattr(tokenizer, "clean_up_tokenization_spaces", False):
             self._backend = None
         self._stream = DecodeStream(skip_special_tokens=True) if self._backend is not None else None
-        self._ids: list[int] = []
         self.text = ""
 
     @property
     def streaming(self) -> bool:
         return self._stream is not None
 
-    def add(self, token_ids: Sequence[int], final: bool = False) -> str:
-        """Append tokens; return the whole decoded text so far."""
-        self._ids.extend(token_ids)
+    def update(self, final: bool = False) -> str:
+        """The whole decoded text of `ids` so far."""
         if self._stream is None or final:
             self.text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
             return self.text
-        for token in token_ids:
+        for token in self._ids[self._decoded :]:
             chunk = self._stream.step(self._backend, token)
             if chunk:
                 self.text += chunk
+        self._decoded = len(self._ids)
         return self.text

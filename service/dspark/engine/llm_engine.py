@@ -30,6 +30,7 @@ from dspark.models.loader import load_target_model
 from dspark.models.pull import resolve_target
 from dspark.policies.base import VerifyPolicy
 from dspark.policies.factory import build_policy
+from dspark.policies.prefix_scheduler import survival_probabilities
 
 log = logging.getLogger(__name__)
 
@@ -151,10 +152,9 @@ class LLMEngine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
-        request = Request(
-            request_id, prompt, params, on_output=on_output, generator=generator, detokenizer=detokenizer
-        )
+        request = Request(request_id, prompt, params, on_output=on_output, generator=generator)
+        if self.tokenizer is not None:  # engines built for statistics tests run without one
+            request.detokenizer = Detokenizer(self.tokenizer, request.output_token_ids)
         request.stats.arrival_time = time.perf_counter()
         self.requests[request_id] = request
         self.scheduler.add(request)
@@ -217,7 +217,7 @@ class LLMEngine:
             lengths = torch.minimum(lengths, block.num_valid.cpu())
         lengths = torch.minimum(lengths, torch.tensor(limit)).clamp_min(0)
         if confidences is not None:  # what the confidence head expects to be accepted
-            survival = confidences.float().cpu().cumprod(dim=1)
+            survival = survival_probabilities(confidences).cpu()
             verified = torch.arange(survival.shape[1])[None, :] < lengths[:, None]
             per_position = torch.where(verified, survival, 0.0).sum(dim=0)
             self._stats.predicted_accepted_tokens = float(per_position.sum())
@@ -305,9 +305,7 @@ class LLMEngine:
         tokens = tokens[:kept]
         delta = ""
         if request.detokenizer is not None:
-            delta = new_text(
-                request, request.detokenizer.add(tokens, final=request.finish_reason is not None)
-            )
+            delta = new_text(request, request.detokenizer.update(final=request.finish_reason is not None))
         logprobs = None
         if request.params.logprobs is not None:
             logprobs = _logprobs(token_logits[:kept], tokens, request.params.logprobs)

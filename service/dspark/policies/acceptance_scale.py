@@ -66,6 +66,4 @@ class AcceptanceScale:
 
 def _grown(values: torch.Tensor, width: int) -> torch.Tensor:
     """`values` zero-extended to at least `width` (itself when already that long)."""
-    if values.numel() >= width:
-        return values
-    return torch.cat([values, values.new_zeros(width - values.numel())])
+    return values if values.numel() >= width else torch.nn.functional.pad(values, (0, width - values.numel()))

@@ -143,14 +143,11 @@ class DraftingGate:
         other_s: float,
         plain_other_s: float | None,
         horizons: Sequence[int],
-        time_scale: float = 1.0,
     ) -> int:
         """The horizon among `horizons` with the highest expected rate, or 0 when no horizon beats
         not drafting by `min_gain`. `other_s`: the rest of a drafted step besides drafting and the
         forward; `plain_other_s`: the same for an undrafted step, None until one is measured (the
-        gate then skips one step to measure it); `time_scale` multiplies the drafting costs
-        `cost` holds (the caller's drift since it stored them). Forced drafting takes the widest
-        horizon."""
+        gate then skips one step to measure it). Forced drafting takes the widest horizon."""
         widest = max(horizons)
         if num_requests < 1 or self.cost.seconds(num_requests, widest) is None:
             return widest
@@ -170,7 +167,7 @@ class DraftingGate:
         for h in sorted({min(h, width) for h in horizons}):  # ties go to the cheaper, narrower one
             if h not in self._ranked:
                 self._ranked[h] = ranked_candidates(self._pool[:, :h])[0]
-            fixed_s = other_s + self.cost.seconds(num_requests, h) * time_scale
+            fixed_s = other_s + self.cost.seconds(num_requests, h)
             rate = self.ranked_rate(self._ranked[h], rows, num_requests, forward_sps, fixed_s)
             if rate > best_rate:
                 best, best_rate = h, rate

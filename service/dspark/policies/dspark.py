@@ -37,9 +37,11 @@ class _SpsPolicy(ConfidencePolicy):
     schedules stay lossless; the same figures let the `DraftingGate` skip drafting on steps
     that are faster without it.
 
-    The measured times are kept divided by the SPS curve's drift at the time (`OnlineSps.drift`)
-    and multiplied by the current one when used: a drafting cost measured while the node was
-    slow must not make drafting look cheap, or dear, after it sped up while the gate skipped.
+    Decisions run in drift-free time units: measured times are divided by the SPS curve's drift
+    (`OnlineSps.drift`) when observed, and forward rates from the curve multiplied by it when
+    looked up. A common factor changes no comparison, and a drafting cost measured while the
+    node was slow then cannot make drafting look cheap, or dear, after it sped up while the
+    gate skipped.
     """
 
     overhead_alpha = 0.1
@@ -52,13 +54,13 @@ class _SpsPolicy(ConfidencePolicy):
         self.gate = DraftingGate()
         self.acceptance = AcceptanceScale()
         self._forward_sps = table_lookup(self.sps)
+        if isinstance(self.sps, OnlineSps):
+            lookup, curve = self._forward_sps, self.sps
+            self._forward_sps = lambda b: lookup(b) * curve.drift()
         self._longest: int | None = None  # longest verify length of the previous drafted step
 
-    def _drift(self) -> float:
-        return self.sps.drift() if isinstance(self.sps, OnlineSps) else 1.0
-
     def _step_rate(self, draft_s: float):
-        fixed_s = self.other_s * self._drift() + draft_s
+        fixed_s = self.other_s + draft_s
         return lambda b: 1.0 / (fixed_s + 1.0 / self._forward_sps(b))
 
     def max_length(self, gamma: int, num_requests: int = 1) -> int:
@@ -68,21 +70,19 @@ class _SpsPolicy(ConfidencePolicy):
         costs time, so the horizon can grow by one per step and shrink when its last position
         does not pay for itself. Both depend on earlier steps only, so schedules stay lossless."""
         widest = gamma if self._longest is None else min(gamma, self._longest + 1)
-        drift = self._drift()
         horizon = self.gate.draft_horizon(
             num_requests,
             self._forward_sps,
-            self.other_s * drift,
-            None if self.plain_other_s is None else self.plain_other_s * drift,
+            self.other_s,
+            self.plain_other_s,
             range(max(1, widest - 1), widest + 1),
-            time_scale=drift,
         )
         if not horizon:
             self._on_skip()
         return horizon
 
     def schedule(self, confidences: torch.Tensor | None, gamma: int, num_requests: int) -> torch.Tensor:
-        self._sps_fn = self._step_rate((self.gate.cost.seconds(num_requests, gamma) or 0.0) * self._drift())
+        self._sps_fn = self._step_rate(self.gate.cost.seconds(num_requests, gamma) or 0.0)
         lengths = super().schedule(confidences, gamma, num_requests)
         if num_requests:
             self._longest = int(lengths.max())

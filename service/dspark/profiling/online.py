@@ -67,7 +67,6 @@ class OnlineSps:
         self._grid_t = torch.tensor(self._grid, dtype=torch.float64)
         self.drift_alpha = drift_alpha
         self._log_drift = 0.0
-        self._prior_sps: dict[int, float] = {}
         self._log_corr = [0.0] * len(self._grid)
         self._weight = [0.0] * len(self._grid)
         self._log_corr_t: torch.Tensor | None = None
@@ -82,10 +81,8 @@ class OnlineSps:
             raise ValueError(f"batch_tokens must be >= 1, got {batch_tokens}")
         if not (math.isfinite(seconds) and seconds > 0):
             raise ValueError(f"step time must be a positive finite number of seconds, got {seconds}")
-        prior_sps = self._prior_sps.get(batch_tokens)
-        if prior_sps is None:  # the scalar lookup goes through tensors: once per batch size
-            prior_sps = self._prior_sps[batch_tokens] = self.prior.sps(float(batch_tokens))
-        log_ratio = math.log(seconds * prior_sps)
+        # The prior's cached per-B table: its scalar lookup builds tensors on every call.
+        log_ratio = math.log(seconds * float(self.prior.table(batch_tokens)[batch_tokens]))
         neighbours = self._neighbours(float(batch_tokens))
         error = log_ratio - self._log_drift - sum(s * self._log_corr[i] for i, s in neighbours)
         self._log_drift += self.drift_alpha * self._clamp(error)
