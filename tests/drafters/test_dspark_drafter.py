@@ -277,3 +277,68 @@ def test_horizon_cut_heads_are_plain_matmuls(target, rows):
     assert block.tokens.shape == (rows, 1)
     ops = {event.key for event in prof.key_averages()}
     assert "aten::mm" in ops and "aten::bmm" not in ops
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_markov_head_over_the_drafting_vocabulary(variant, target, tmp_path):
+    """A Markov head whose W1 / W2 cover only the drafting vocabulary (`markov_over_draft_vocab`)
+    drafts exactly what the full-vocabulary head with those rows does (masked to the vocabulary),
+    gives anchors outside it the zero embedding, survives save / load, and refuses another one."""
+    from dspark.drafters.checkpoint import save_draft_model
+    from dspark.drafters.config import DraftConfig
+    from dspark.drafters.dspark_model import DSparkModel, restrict_draft_vocabulary
+
+    path = FIXTURE / f"draft_{variant}"
+    full = load_draft_model(path)
+    subset = torch.randperm(1000, generator=torch.Generator().manual_seed(4))[:300].sort().values
+    raw = {**json.loads((path / "config.json").read_text()), "draft_vocab_size": 300}
+    raw["markov_over_draft_vocab"] = True
+    small = DSparkModel(DraftConfig.from_dict(raw))
+    state = dict(full.state_dict())
+    w1 = state["markov_head.markov_w1.weight"]
+    state["markov_head.markov_w1.weight"] = torch.cat([w1[subset], w1.new_zeros(1, w1.shape[1])])
+    state["markov_head.markov_w2.weight"] = state["markov_head.markov_w2.weight"][subset]
+    state["d2t"] = subset - torch.arange(300)
+    state["markov_head.t2d"] = small.markov_head.t2d
+    small.load_state_dict(state)
+    small.markov_head.set_rows(subset)
+    save_draft_model(small, tmp_path / "small", include_shared=True)
+    drafter = load_drafter(str(tmp_path / "small"), target.config)
+    assert tuple(drafter.model.markov_head.markov_w2.weight.shape) == (300, 16)
+    assert torch.equal(drafter.model.draft_token_ids(), subset)
+
+    allowed = torch.zeros(1024, dtype=torch.bool)
+    allowed[subset] = True
+    tokens = sequence(20, seed=9)
+    tokens[-1] = int(subset[7])  # an anchor inside the vocabulary: W1 rows agree with the full head
+    for temperature, seed in ((0.0, None), (0.8, 5)):
+        request = make_request("r", tokens, num_cached=19, temperature=temperature)
+        drafter_with_context(drafter, target, [request])
+        block = drafter.propose([request], sampling_for([request], [seed]))
+        drafter.release(request)
+        assert bool(allowed[block.tokens].all())
+        with torch.no_grad():
+            hidden = full(target_features(target, tokens[:-1])[None], torch.tensor([tokens[-1]]))
+            logits, conf = full.teacher_forced(hidden, torch.tensor([tokens[-1]]), block.tokens)
+        masked = logits.masked_fill(~allowed, float("-inf"))
+        torch.testing.assert_close(block.confidences, torch.sigmoid(conf), atol=1e-5, rtol=1e-4)
+        if temperature == 0:
+            assert torch.equal(block.tokens, masked.argmax(-1))
+        else:
+            torch.testing.assert_close(
+                block.probs, torch.softmax(masked / temperature, -1), atol=1e-5, rtol=1e-4
+            )
+
+    # Training's teacher-forced logits: the bias lands on the vocabulary's ids only, and an anchor
+    # outside it (id 1001 here) conditions position 1 on nothing.
+    outside = torch.tensor([1001])
+    assert not bool(allowed[outside])
+    with torch.no_grad():
+        hidden = small(target_features(target, tokens[:-1])[None], outside)
+        logits, _ = small.teacher_forced(hidden, outside, subset[None, :7])
+        plain = small.lm_head(hidden)
+    torch.testing.assert_close(logits[..., ~allowed], plain[..., ~allowed])
+    if variant != "rnn":  # the RNN's bias at k = 1 also depends on h_1
+        torch.testing.assert_close(logits[:, 0], plain[:, 0])
+    with pytest.raises(ValueError, match="its own drafting vocabulary"):
+        restrict_draft_vocabulary(small, subset[:100])

@@ -153,6 +153,23 @@ def test_gate_explores_after_a_run_of_skipped_steps() -> None:
     assert decisions == [False, False, False, True, False]  # back to the short interval
 
 
+def test_exploration_at_one_request_renews_a_quarter_of_the_pool() -> None:
+    """At one request an explored step adds one row: the gate drafts a burst of memory_rows / 4
+    steps, enough for better confidences (the load changed) to switch drafting back on."""
+    gate = DraftingGate(explore_every=4, memory_rows=64)
+    gate.cost.observe(1, 0.0005)
+    for _ in range(64):
+        gate.remember(torch.full((1, 7), 0.05, dtype=torch.float64))
+    decisions = [gate.should_draft(1, FORWARD, 0.0002, 0.0002) for _ in range(28)]
+    assert decisions == [False] * 4 + [True] * 16 + [False] * 8  # nothing changed: the interval doubled
+    burst = []
+    for _ in range(16):
+        burst.append(gate.should_draft(1, FORWARD, 0.0002, 0.0002))
+        gate.remember(torch.full((1, 7), 0.95, dtype=torch.float64))  # the drafts are good now
+    assert all(burst)
+    assert all(gate.should_draft(1, FORWARD, 0.0002, 0.0002) for _ in range(10))
+
+
 def test_pool_keeps_the_newest_steps_covering_memory_rows_zero_padded() -> None:
     gate = DraftingGate(memory_rows=3)
     gate.remember(torch.tensor([[0.1, 0.2]], dtype=torch.float64))

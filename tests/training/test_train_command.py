@@ -23,10 +23,13 @@ def _run(config: dict, tmp: Path, *args: str):
     return CliRunner().invoke(main, ["train", str(path), "--no-progress", *args])
 
 
-@pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
+@pytest.mark.parametrize("kind", ["dspark", "dspark:draft", "dflash", "eagle3"])
 def test_train_exports_a_loadable_drafter_that_the_engine_runs(tmp_path, tiny_target, kind):
+    kind, _, markov_vocab = kind.partition(":")
     prompts = write_prompts(tmp_path / "prompts.jsonl", 30)
     config = tiny_config(tmp_path, tiny_target, kind, prompts)
+    if markov_vocab:
+        config["drafter"]["markov_vocab"] = markov_vocab
     result = _run(config, tmp_path)
     assert result.exit_code == 0, result.output + repr(result.exception)
     final = tmp_path / f"out-{kind}" / "final"
@@ -43,6 +46,9 @@ def test_train_exports_a_loadable_drafter_that_the_engine_runs(tmp_path, tiny_ta
         keys = set(f.keys())
         assert "embed_tokens.weight" not in keys and "d2t" in keys
         assert all(f.get_tensor(k).dtype in (torch.bfloat16, torch.long, torch.bool) for k in keys)
+        if markov_vocab:  # W1: the 48 drafting tokens + the zero row of every other id
+            assert f.get_slice("markov_head.markov_w1.weight").get_shape() == [49, 8]
+            assert f.get_slice("markov_head.markov_w2.weight").get_shape() == [48, 8]
     engine = LLMEngine.from_config(
         EngineConfig(
             target=str(tiny_target), drafter=str(final), policy="full", dtype="float32", max_model_len=128

@@ -64,6 +64,7 @@ class DraftConfig(BaseModel):
     confidence_head: bool = False
     confidence_with_markov: bool = False
     draft_vocab_size: int | None = None  # reduced drafting vocabulary (`d2t` mapping)
+    markov_draft_vocab: bool = False  # W1 / W2 of the Markov head cover the drafting vocabulary only
     layers: Any  # transformers Qwen3Config: decoder layer hyper-parameters (heads, head_dim, rope, eps)
     raw: dict[str, Any]
 
@@ -102,6 +103,9 @@ class DraftConfig(BaseModel):
             rank = int(raw.get("markov_rank", 0)) if head else 0
             conf = bool(raw.get("enable_confidence_head", False))
             conf_markov = conf and bool(raw.get("confidence_head_with_markov", False)) and rank > 0
+            markov_draft_vocab = bool(raw.get("markov_over_draft_vocab", False)) and head is not None
+            if markov_draft_vocab and not raw.get("draft_vocab_size"):
+                raise ValueError("markov_over_draft_vocab needs a draft_vocab_size")
             return cls(
                 kind=kind,
                 target_hidden_size=raw.get("target_hidden_size", raw["hidden_size"]),
@@ -115,6 +119,7 @@ class DraftConfig(BaseModel):
                 confidence_head=conf,
                 confidence_with_markov=conf_markov,
                 draft_vocab_size=raw.get("draft_vocab_size"),
+                markov_draft_vocab=markov_draft_vocab,
                 **common,
             )
         if arch in EAGLE3_ARCHITECTURES:

@@ -40,7 +40,9 @@ class DraftVocab:
         w2 = model.markov_head.markov_w2.weight if model.markov_head is not None else None
         if ids is None:
             return cls(None, model.lm_head.weight, w2, model.config.vocab_size)
-        return cls(ids, model.lm_head.weight[ids], None if w2 is None else w2[ids], model.config.vocab_size)
+        if w2 is not None and not model.config.markov_draft_vocab:
+            w2 = w2[ids]
+        return cls(ids, model.lm_head.weight[ids], w2, model.config.vocab_size)
 
     def to_target(self, index: torch.Tensor) -> torch.Tensor:
         """Row indices -> target token ids."""

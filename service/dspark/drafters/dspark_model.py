@@ -67,7 +67,10 @@ class DSparkModel(nn.Module):
         self.norm = Qwen3RMSNorm(d, eps=lc.rms_norm_eps)
         self.markov_head: SequentialHead | None = None
         if config.markov_head_type is not None:
-            self.markov_head = make_sequential_head(config.markov_head_type, d, vocab, config.markov_rank)
+            rows = config.draft_vocab_size if config.markov_draft_vocab else None
+            self.markov_head = make_sequential_head(
+                config.markov_head_type, d, vocab, config.markov_rank, rows
+            )
         self.confidence_head: ConfidenceHead | None = None
         if config.confidence_head:
             self.confidence_head = ConfidenceHead(
@@ -142,17 +145,25 @@ class DSparkModel(nn.Module):
         emb = None
         if self.markov_head is not None:
             bias, emb = self.markov_head.teacher_forced(hidden, prev)
-            logits = logits + bias
+            if self.config.markov_draft_vocab:
+                logits = logits.index_add(-1, self.draft_token_ids(), bias.to(logits.dtype))
+            else:
+                logits = logits + bias
         conf = self.confidence_head(hidden, emb) if self.confidence_head is not None else None
         return logits, conf
 
 
 def restrict_draft_vocabulary(model: DSparkModel, token_ids: torch.Tensor) -> DSparkModel:
     """Make `model` draft over `token_ids` only (e.g. the most frequent response tokens), in place;
-    saved as `draft_vocab_size` + `d2t` like EAGLE-3's reduced vocabulary. Training is unaffected."""
+    saved as `draft_vocab_size` + `d2t` like EAGLE-3's reduced vocabulary. Training is unaffected
+    (unless the Markov head covers the drafting vocabulary: then it must be the one it has)."""
     ids = torch.unique(token_ids.long().cpu())  # sorted, distinct
     if not 0 < ids.numel() <= model.config.vocab_size or int(ids[-1]) >= model.config.vocab_size:
         raise ValueError(f"a drafting vocabulary needs 1..{model.config.vocab_size} ids below the vocab size")
+    if model.config.markov_draft_vocab:
+        if not torch.equal(ids, model.draft_token_ids().cpu()):
+            raise ValueError("this drafter's Markov head was trained over its own drafting vocabulary")
+        return model
     device = model.fc.weight.device
     del model.d2t  # the None attribute or an earlier vocabulary's buffer
     model.register_buffer("d2t", (ids - torch.arange(ids.numel())).to(device))

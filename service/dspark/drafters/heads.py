@@ -2,7 +2,10 @@
 
 All heads share the Markov embedding W1 (`markov_w1`, V x r) of the previous block token
 x_{k-1} (the anchor for k = 1) and the projection W2 (`markov_w2`, r -> V); a step returns the
-rank-r vector z_k with B_k = W2 z_k, so drafting can project onto a reduced vocabulary (rows of W2):
+rank-r vector z_k with B_k = W2 z_k, so drafting can project onto a reduced vocabulary (rows of W2).
+With `rows` (the project's own drafters) W1 and W2 cover only the Vd tokens of the drafting
+vocabulary: W1 gets one more, zero row for anchors outside it (`t2d` maps target ids to rows), so a
+rank-r head costs 2 Vd r weights instead of 2 V r.
 - vanilla: B_k = W2 W1[x_{k-1}]
 - gated:   B_k = W2 (sigmoid(W_gate [h_k ; W1[x_{k-1}]]) * W1[x_{k-1}])
 - rnn:     z = [s_{k-1} ; W1[x_{k-1}] ; h_k]; g, c, o = W_joint z;
@@ -21,11 +24,24 @@ HEAD_TYPES = ("vanilla", "gated", "rnn")
 class SequentialHead(nn.Module):
     """Step interface: `step(h_k, prev_token, state) -> (z_k, markov_embedding, state)`, B_k = W2 z_k."""
 
-    def __init__(self, hidden_size: int, vocab_size: int, rank: int) -> None:
+    def __init__(self, hidden_size: int, vocab_size: int, rank: int, rows: int | None = None) -> None:
         super().__init__()
         self.rank = rank
-        self.markov_w1 = nn.Embedding(vocab_size, rank)
-        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        self.markov_w1 = nn.Embedding(vocab_size if rows is None else rows + 1, rank, padding_idx=rows)
+        self.markov_w2 = nn.Linear(rank, vocab_size if rows is None else rows, bias=False)
+        if rows is None:
+            self.t2d = None
+        else:
+            self.register_buffer("t2d", torch.full((vocab_size,), rows, dtype=torch.long))
+
+    def set_rows(self, token_ids: torch.Tensor) -> None:
+        """Map the sorted target ids `token_ids` to rows 0..Vd-1, every other id to the zero row."""
+        self.t2d.fill_(self.markov_w2.out_features)
+        self.t2d[token_ids.to(self.t2d.device)] = torch.arange(token_ids.numel(), device=self.t2d.device)
+
+    def embed(self, prev: torch.Tensor) -> torch.Tensor:
+        """W1[x_{k-1}] for target ids `prev`."""
+        return self.markov_w1(prev if self.t2d is None else self.t2d[prev])
 
     def initial_state(self, h: torch.Tensor) -> torch.Tensor | None:
         return None
@@ -49,51 +65,53 @@ class SequentialHead(nn.Module):
 
 class MarkovHead(SequentialHead):
     def step(self, h, prev, state):
-        emb = self.markov_w1(prev)
+        emb = self.embed(prev)
         return emb, emb, None
 
     def teacher_forced(self, h, prev):
-        emb = self.markov_w1(prev)  # no recurrence: the whole block at once
+        emb = self.embed(prev)  # no recurrence: the whole block at once
         return self.markov_w2(emb), emb
 
 
 class GatedMarkovHead(SequentialHead):
-    def __init__(self, hidden_size: int, vocab_size: int, rank: int) -> None:
-        super().__init__(hidden_size, vocab_size, rank)
+    def __init__(self, hidden_size: int, vocab_size: int, rank: int, rows: int | None = None) -> None:
+        super().__init__(hidden_size, vocab_size, rank, rows)
         self.gate_proj = nn.Linear(hidden_size + rank, rank)
 
     def step(self, h, prev, state):
-        emb = self.markov_w1(prev)
+        emb = self.embed(prev)
         gate = torch.sigmoid(self.gate_proj(torch.cat([h, emb], dim=-1)))
         return gate * emb, emb, None
 
     def teacher_forced(self, h, prev):
-        emb = self.markov_w1(prev)
+        emb = self.embed(prev)
         gate = torch.sigmoid(self.gate_proj(torch.cat([h, emb], dim=-1)))
         return self.markov_w2(gate * emb), emb
 
 
 class RNNHead(SequentialHead):
-    def __init__(self, hidden_size: int, vocab_size: int, rank: int) -> None:
-        super().__init__(hidden_size, vocab_size, rank)
+    def __init__(self, hidden_size: int, vocab_size: int, rank: int, rows: int | None = None) -> None:
+        super().__init__(hidden_size, vocab_size, rank, rows)
         self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
 
     def initial_state(self, h):
         return h.new_zeros(*h.shape[:-1], self.rank)
 
     def step(self, h, prev, state):
-        emb = self.markov_w1(prev)
+        emb = self.embed(prev)
         gate, cand, out = self.joint_proj(torch.cat([state, emb, h], dim=-1)).chunk(3, dim=-1)
         keep = torch.sigmoid(gate)
         state = keep * state + (1 - keep) * torch.tanh(cand)
         return torch.tanh(out), emb, state
 
 
-def make_sequential_head(kind: str, hidden_size: int, vocab_size: int, rank: int) -> SequentialHead:
+def make_sequential_head(
+    kind: str, hidden_size: int, vocab_size: int, rank: int, rows: int | None = None
+) -> SequentialHead:
     heads = {"vanilla": MarkovHead, "gated": GatedMarkovHead, "rnn": RNNHead}
     if kind not in heads:
         raise ValueError(f"unknown markov_head_type {kind!r}; expected one of {HEAD_TYPES}")
-    return heads[kind](hidden_size, vocab_size, rank)
+    return heads[kind](hidden_size, vocab_size, rank, rows)
 
 
 class ConfidenceHead(nn.Module):

@@ -93,7 +93,10 @@ class DraftingGate:
     `memory_rows` rows remembered: draft; no undrafted step measured yet: skip one (that is how
     they get measured). After `explore_every` skipped steps in a row one step drafts anyway, to
     refresh the pool and the cost; each exploration that changes nothing doubles that interval (up to
-    8x), so a load where drafting clearly does not pay spends little on checking.
+    8x), so a load where drafting clearly does not pay spends little on checking. An exploration
+    drafts steps enough to renew a quarter of the pool: at one request a single step renews 1 of 64
+    rows, too little to ever outvote rows from before the load changed (a chat user switching
+    to math stayed undrafted).
     """
 
     def __init__(self, explore_every: int = 32, memory_rows: int = 64, min_gain: float = 0.01) -> None:
@@ -107,6 +110,7 @@ class DraftingGate:
         self._skipped_in_a_row = 0
         self._explore_interval = explore_every
         self._explored = False
+        self._burst_left = 0
         self.skipped_steps = 0
 
     def remember(self, confidences: torch.Tensor) -> None:
@@ -153,8 +157,12 @@ class DraftingGate:
             return widest
         if self._pool.shape[0] < self.memory_rows:  # too little evidence yet
             return widest
+        if self._burst_left > 0:
+            self._burst_left -= 1
+            return widest
         if self._skipped_in_a_row >= self._explore_interval:
             self._skipped_in_a_row, self._explored = 0, True
+            self._burst_left = -(-self.memory_rows // (4 * num_requests)) - 1
             return widest
         explored, self._explored = self._explored, False
         if plain_other_s is None:

@@ -60,6 +60,8 @@ def drafter_raw_config(
             enable_confidence_head=spec.confidence_head,
             confidence_head_with_markov=spec.confidence_head,
         )
+        if spec.markov_vocab == "draft":
+            raw.update(draft_vocab_size=spec.draft_vocab_size, markov_over_draft_vocab=True)
     else:
         raw["enable_confidence_head"] = False
     return raw
@@ -88,9 +90,15 @@ def new_drafter(
     model.embed_tokens.weight = nn.Parameter(embed.detach().clone(), requires_grad=False)
     if isinstance(model, DSparkModel):
         model.lm_head.weight = nn.Parameter(lm_head.detach().clone(), requires_grad=False)
-        if model.markov_head is not None:
-            nn.init.zeros_(model.markov_head.markov_w2.weight)  # the head starts as B = 0 (plain DFlash)
-            nn.init.normal_(model.markov_head.markov_w1.weight, std=0.02)
+        head = model.markov_head
+        if head is not None:
+            nn.init.zeros_(head.markov_w2.weight)  # the head starts as B = 0 (plain DFlash)
+            nn.init.normal_(head.markov_w1.weight, std=0.02)
+            if head.t2d is not None:
+                with torch.no_grad():
+                    head.markov_w1.weight[-1].zero_()  # the row of tokens outside the drafting vocabulary
+                    model.d2t.copy_(draft_vocab - torch.arange(len(draft_vocab)))
+                    head.set_rows(draft_vocab)
     else:
         vocab = draft_vocab if draft_vocab is not None else torch.arange(config.vocab_size)
         with torch.no_grad():

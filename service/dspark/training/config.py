@@ -58,6 +58,11 @@ class DrafterSpec(_Strict):
     target_layer_ids: tuple[int, ...] | None = Field(None, description="Defaults to data.feature_layers.")
     markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"
     markov_rank: int = Field(32, ge=1)
+    markov_vocab: Literal["full", "draft"] = Field(
+        "full",
+        description="'draft': the Markov head's W1 / W2 cover only the draft_vocab_size drafting tokens "
+        "(2 Vd r weights instead of 2 V r, so a larger rank fits the same file size).",
+    )
     confidence_head: bool = True
     intermediate_size: int | None = None  # defaults to the target's
     draft_vocab_size: int | None = Field(
@@ -68,6 +73,12 @@ class DrafterSpec(_Strict):
     init_from_target_layers: tuple[int, ...] | None = Field(
         None, description="Copy these target decoder layers' weights into the draft layers where shapes fit."
     )
+
+    @model_validator(mode="after")
+    def _markov_vocab_needs_one(self) -> DrafterSpec:
+        if self.markov_vocab == "draft" and (self.kind != "dspark" or not self.draft_vocab_size):
+            raise ValueError("markov_vocab: draft needs kind: dspark and a draft_vocab_size")
+        return self
 
 
 class OptimConfig(_Strict):
