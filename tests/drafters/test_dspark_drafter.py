@@ -293,6 +293,9 @@ def test_markov_head_over_the_drafting_vocabulary(variant, target, tmp_path):
     subset = torch.randperm(1000, generator=torch.Generator().manual_seed(4))[:300].sort().values
     raw = {**json.loads((path / "config.json").read_text()), "draft_vocab_size": 300}
     raw["markov_over_draft_vocab"] = True
+    for bad in (None, 1024):
+        with pytest.raises(ValueError, match="needs a draft_vocab_size below vocab_size"):
+            DraftConfig.from_dict({**raw, "draft_vocab_size": bad})
     small = DSparkModel(DraftConfig.from_dict(raw))
     state = dict(full.state_dict())
     w1 = state["markov_head.markov_w1.weight"]

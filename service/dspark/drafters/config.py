@@ -104,8 +104,8 @@ class DraftConfig(BaseModel):
             conf = bool(raw.get("enable_confidence_head", False))
             conf_markov = conf and bool(raw.get("confidence_head_with_markov", False)) and rank > 0
             markov_draft_vocab = bool(raw.get("markov_over_draft_vocab", False)) and head is not None
-            if markov_draft_vocab and not raw.get("draft_vocab_size"):
-                raise ValueError("markov_over_draft_vocab needs a draft_vocab_size")
+            if markov_draft_vocab and not 0 < int(raw.get("draft_vocab_size") or 0) < raw["vocab_size"]:
+                raise ValueError("markov_over_draft_vocab needs a draft_vocab_size below vocab_size")
             return cls(
                 kind=kind,
                 target_hidden_size=raw.get("target_hidden_size", raw["hidden_size"]),
