@@ -23,6 +23,11 @@ def token_ids(d2t: torch.Tensor | None) -> torch.Tensor | None:
     return torch.arange(d2t.shape[0], device=d2t.device) + d2t
 
 
+def d2t_offsets(ids: torch.Tensor) -> torch.Tensor:
+    """The `d2t` buffer of sorted target ids `ids` (the inverse of `token_ids`)."""
+    return ids - torch.arange(ids.numel(), device=ids.device)
+
+
 @dataclass
 class DraftVocab:
     """What a drafter samples over: its head's rows and their target ids (None = the whole

@@ -14,7 +14,7 @@ from torch import nn
 
 from dspark.drafters.config import DraftConfig
 from dspark.drafters.draft_attention import DraftAttention
-from dspark.drafters.draft_vocab import token_ids
+from dspark.drafters.draft_vocab import d2t_offsets, token_ids
 from dspark.drafters.heads import ConfidenceHead, SequentialHead, make_sequential_head
 from dspark.drafters.layers import Qwen3RMSNorm, RotaryEmbedding, make_mlp
 
@@ -166,7 +166,7 @@ def restrict_draft_vocabulary(model: DSparkModel, token_ids: torch.Tensor) -> DS
         return model
     device = model.fc.weight.device
     del model.d2t  # the None attribute or an earlier vocabulary's buffer
-    model.register_buffer("d2t", (ids - torch.arange(ids.numel())).to(device))
+    model.register_buffer("d2t", d2t_offsets(ids).to(device))
     raw = {**model.config.raw, "draft_vocab_size": ids.numel()}
     model.config = model.config.model_copy(update={"draft_vocab_size": ids.numel(), "raw": raw})
     return model

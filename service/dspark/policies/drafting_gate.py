@@ -12,6 +12,7 @@ verifies no draft tokens.
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 from collections.abc import Sequence
 
@@ -162,7 +163,7 @@ class DraftingGate:
             return widest
         if self._skipped_in_a_row >= self._explore_interval:
             self._skipped_in_a_row, self._explored = 0, True
-            self._burst_left = -(-self.memory_rows // (4 * num_requests)) - 1
+            self._burst_left = math.ceil(self.memory_rows / (4 * num_requests)) - 1
             return widest
         explored, self._explored = self._explored, False
         if plain_other_s is None:

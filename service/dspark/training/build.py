@@ -7,6 +7,7 @@ from collections import Counter
 import torch
 from dspark.drafters.checkpoint import build_model
 from dspark.drafters.config import DraftConfig
+from dspark.drafters.draft_vocab import d2t_offsets
 from dspark.drafters.dspark_model import DSparkModel
 from dspark.drafters.eagle3_model import Eagle3Model
 from dspark.training.config import DrafterSpec
@@ -97,14 +98,14 @@ def new_drafter(
             if head.t2d is not None:
                 with torch.no_grad():
                     head.markov_w1.weight[-1].zero_()  # the row of tokens outside the drafting vocabulary
-                    model.d2t.copy_(draft_vocab - torch.arange(len(draft_vocab)))
+                    model.d2t.copy_(d2t_offsets(draft_vocab))
                     head.set_rows(draft_vocab)
     else:
         vocab = draft_vocab if draft_vocab is not None else torch.arange(config.vocab_size)
         with torch.no_grad():
             model.lm_head.weight.copy_(lm_head[vocab])  # start from the target's head rows
             if model.d2t is not None:
-                model.d2t.copy_(vocab - torch.arange(len(vocab)))
+                model.d2t.copy_(d2t_offsets(vocab))
                 model.t2d.zero_()
                 model.t2d[vocab] = True
     if target_state is not None:
