@@ -132,33 +132,51 @@ def test_bench_serve_cli_runs_policies_in_rounds(tiny_pair, tmp_path, monkeypatc
     assert (out / "frontier.png").stat().st_size > 0 and (out / "verify-budget.png").stat().st_size > 0
 
 
-def test_bench_serve_mirrors_the_policy_order_every_other_round(monkeypatch):
-    """A B C, C B A, A B C: a drift linear over a mirrored pair of rounds falls on every policy alike."""
-    from dspark.bench import serve
+def test_bench_serve_steps_the_policies_in_lockstep_on_their_own_clocks(monkeypatch):
+    """Loops take engine steps in turn (order rotating), each charged only its own seconds: a slow
+    policy's throughput and per-user speed are not diluted by the others' steps, and ids are unique."""
+    from types import SimpleNamespace
 
+    from dspark.bench import serve
+    from dspark.engine.outputs import RequestOutput, StepStats
+
+    now = [0.0]
+    monkeypatch.setattr(serve.time, "perf_counter", lambda: now[0])
     order = []
 
     class Engine:
-        def __init__(self, policy) -> None:
-            self.policy = policy
+        def __init__(self, name: str, step_s: float) -> None:
+            self.policy = SimpleNamespace(name=name)
+            self.step_s, self.requests, self.last_step_stats = step_s, {}, StepStats()
 
-        def generate(self, *args) -> None:
-            pass
+        def add_request(self, prompt, params, request_id):
+            assert request_id not in self.requests
+            self.requests[request_id] = SimpleNamespace(
+                output_token_ids=[], stats=SimpleNamespace(rounds=0, tau=0.0)
+            )
 
-    class Base:
-        drafter = None
+        def has_unfinished_requests(self) -> bool:
+            return bool(self.requests)
 
-        def sibling(self, drafter, policy, **updates):
-            return Engine(policy)
+        def step(self):  # one token per request per step, 3 tokens each
+            order.append(self.policy.name)
+            now[0] += self.step_s
+            outputs = []
+            for rid, r in list(self.requests.items()):
+                r.output_token_ids.append(1)
+                done = len(r.output_token_ids) == 3
+                outputs.append(RequestOutput(rid, [1], "", finished=done))
+                if done:
+                    del self.requests[rid]
+            return outputs
 
-    def closed_loop(engine, prompts, concurrency, requests, params):
-        order.append(engine.policy.name)
-        point = dict.fromkeys(serve.LoadPoint.__dataclass_fields__, 1.0)
-        return serve.LoadPoint(
-            **point | {"policy": engine.policy.name, "concurrency": concurrency, "extra": {}}
-        )
-
-    monkeypatch.setattr(serve, "run_closed_loop", closed_loop)
-    params = SamplingParams(max_tokens=4)
-    serve.run_serve_bench(Base(), ["none", "static:1", "full"], [1], [[1, 2]], params, 6, rounds=3)
-    assert order == ["none", "static:1", "full", "full", "static:1", "none", "none", "static:1", "full"]
+    params = SamplingParams(max_tokens=3)
+    engines = [Engine("fast", 0.01), Engine("slow", 0.03)]
+    loops = [serve.ClosedLoop(e, [[1]], 2, 4, params, id_prefix=e.policy.name) for e in engines]
+    fast, slow = serve.run_lockstep(loops)
+    assert order[:4] == ["slow", "fast", "fast", "slow"]  # turn 0 only issues; the order rotates
+    assert fast.output_tokens == slow.output_tokens == 12 and fast.requests == slow.requests == 4
+    assert fast.seconds == pytest.approx(6 * 0.01) and slow.seconds == pytest.approx(6 * 0.03)
+    assert fast.aggregate_tokens_per_s == pytest.approx(3 * slow.aggregate_tokens_per_s)
+    assert fast.per_user_p50 == pytest.approx(2 / 0.02) and slow.per_user_p50 == pytest.approx(2 / 0.06)
+    assert fast.ttft_p50_s == pytest.approx(0.01) and slow.ttft_p50_s == pytest.approx(0.03)

@@ -33,65 +33,120 @@ class LoadPoint:
     extra: dict = field(default_factory=dict)
 
 
+class ClosedLoop:
+    """One policy's closed loop: keeps `concurrency` requests in flight on its engine until
+    `requests` have finished, on its own clock (the seconds spent in its own iterations), so
+    loops of several policies can be stepped in turn on one machine."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        prompts: list[list[int]],
+        concurrency: int,
+        requests: int,
+        params: SamplingParams,
+        id_prefix: str = "",
+    ) -> None:
+        self.engine, self.prompts, self.params = engine, prompts, params
+        self.concurrency, self.requests, self.id_prefix = concurrency, requests, id_prefix
+        self.clock = 0.0
+        self.issued = 0
+        self._started = False
+        self._tracked: dict[str, object] = {}
+        self._arrival: dict[str, float] = {}
+        self._first: dict[str, float] = {}
+        self._finished: list[tuple[str, object, float]] = []  # (id, request, finish time)
+        self._budgets: list[int] = []
+        self._sched = self._steps = 0.0
+        self._decode_steps = self._drafted_steps = 0
+
+    @property
+    def done(self) -> bool:
+        return self._started and not self.engine.has_unfinished_requests()
+
+    def _issue(self, now: float) -> None:
+        # Ids unique across loops: the loops of one level share the drafter and its context store.
+        rid = f"{self.id_prefix}req-{self.issued}"
+        self.engine.add_request(self.prompts[self.issued % len(self.prompts)], self.params, request_id=rid)
+        self._tracked[rid] = self.engine.requests[rid]  # the engine forgets a request as it finishes
+        self._arrival[rid] = now
+        self.issued += 1
+
+    def advance(self) -> None:
+        """Issue the first requests or run one engine step, and charge its time to this loop."""
+        started = time.perf_counter()
+        if not self._started:
+            self._started = True
+            for _ in range(min(self.concurrency, self.requests)):
+                self._issue(self.clock)
+            self.clock += time.perf_counter() - started
+            return
+        engine = self.engine
+        outputs = engine.step()
+        now = self.clock + time.perf_counter() - started
+        stats = engine.last_step_stats
+        self._budgets.extend(stats.verify_budgets)
+        self._decode_steps += bool(stats.verify_budgets)
+        self._drafted_steps += stats.drafted
+        self._sched += stats.schedule_time_s
+        self._steps += stats.step_time_s
+        for out in outputs:
+            if out.new_token_ids:
+                self._first.setdefault(out.request_id, now)
+            if out.finished:
+                self._finished.append((out.request_id, self._tracked.pop(out.request_id), now))
+                if self.issued < self.requests:
+                    self._issue(now)
+        self.clock += time.perf_counter() - started
+
+    def point(self) -> LoadPoint:
+        per_user, ttft, taus, tokens = [], [], [], 0
+        for rid, r, finish in self._finished:
+            n = len(r.output_token_ids)
+            tokens += n
+            first = self._first[rid]
+            ttft.append(first - self._arrival[rid])
+            if n > 1 and finish > first:
+                per_user.append((n - 1) / (finish - first))
+            if r.stats.rounds:
+                taus.append(r.stats.tau)
+        return LoadPoint(
+            policy=self.engine.policy.name,
+            concurrency=self.concurrency,
+            requests=len(self._finished),
+            output_tokens=tokens,
+            seconds=self.clock,
+            aggregate_tokens_per_s=tokens / self.clock,
+            per_user_p50=statistics.median(per_user) if per_user else 0.0,
+            per_user_p10=_quantile(per_user, 0.1),
+            ttft_p50_s=statistics.median(ttft),
+            ttft_p90_s=_quantile(ttft, 0.9),
+            mean_verify_budget=statistics.fmean(self._budgets) if self._budgets else 0.0,
+            mean_tau=statistics.fmean(taus) if taus else 0.0,
+            scheduler_share=self._sched / self._steps if self._steps else 0.0,
+            drafted_share=self._drafted_steps / self._decode_steps if self._decode_steps else 0.0,
+        )
+
+
 def run_closed_loop(
     engine: LLMEngine, prompts: list[list[int]], concurrency: int, requests: int, params: SamplingParams
 ) -> LoadPoint:
     """Keep `concurrency` requests in flight until `requests` have finished."""
-    finished, budgets, sched, steps = [], [], 0.0, 0.0
-    decode_steps = drafted_steps = 0
-    issued = 0
+    return run_lockstep([ClosedLoop(engine, prompts, concurrency, requests, params)])[0]
 
-    tracked = {}
 
-    def issue() -> None:
-        nonlocal issued
-        rid = engine.add_request(prompts[issued % len(prompts)], params)
-        tracked[rid] = engine.requests[rid]
-        issued += 1
-
-    start = time.perf_counter()
-    for _ in range(min(concurrency, requests)):
-        issue()
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-        stats = engine.last_step_stats
-        budgets.extend(stats.verify_budgets)
-        decode_steps += bool(stats.verify_budgets)
-        drafted_steps += stats.drafted
-        sched += stats.schedule_time_s
-        steps += stats.step_time_s
-        for out in outputs:
-            if out.finished:
-                finished.append(tracked.pop(out.request_id))
-                if issued < requests:
-                    issue()
-    elapsed = time.perf_counter() - start
-    per_user, ttft, taus, tokens = [], [], [], 0
-    for r in finished:
-        n = len(r.output_token_ids)
-        tokens += n
-        s = r.stats
-        ttft.append(s.first_token_time - s.arrival_time)
-        if n > 1 and s.finish_time > s.first_token_time:
-            per_user.append((n - 1) / (s.finish_time - s.first_token_time))
-        if s.rounds:
-            taus.append(s.tau)
-    return LoadPoint(
-        policy=engine.policy.name,
-        concurrency=concurrency,
-        requests=len(finished),
-        output_tokens=tokens,
-        seconds=elapsed,
-        aggregate_tokens_per_s=tokens / elapsed,
-        per_user_p50=statistics.median(per_user) if per_user else 0.0,
-        per_user_p10=_quantile(per_user, 0.1),
-        ttft_p50_s=statistics.median(ttft),
-        ttft_p90_s=_quantile(ttft, 0.9),
-        mean_verify_budget=statistics.fmean(budgets) if budgets else 0.0,
-        mean_tau=statistics.fmean(taus) if taus else 0.0,
-        scheduler_share=sched / steps if steps else 0.0,
-        drafted_share=drafted_steps / decode_steps if decode_steps else 0.0,
-    )
+def run_lockstep(loops: list[ClosedLoop]) -> list[LoadPoint]:
+    """Step every unfinished loop once per turn, in an order rotating by one each turn, until all
+    are done. A shared machine's speed changes (seconds to minutes) then fall on every loop alike;
+    run one after another, the same policy differed by up to 25% between runs here."""
+    turn = 0
+    while not all(loop.done for loop in loops):
+        for i in range(len(loops)):
+            loop = loops[(turn + i) % len(loops)]
+            if not loop.done:
+                loop.advance()
+        turn += 1
+    return [loop.point() for loop in loops]
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -115,11 +170,11 @@ def run_serve_bench(
 ) -> list[LoadPoint]:
     """Every policy at every concurrency on the same prompts, same drafter, same weights.
 
-    Each level runs its policies round-robin `rounds` times, every other round in mirrored order
-    (A B C, C B A), each run finishing max(requests_per_level / rounds, 2 x concurrency)
-    requests, and reports a policy over all its rounds: drift of a shared machine's speed during a
-    level then falls on every policy alike (a linear drift cancels over a mirrored pair).
-    A policy object lives through its level's rounds (what it learned carries over, as in serving).
+    A level runs one closed loop per policy, all stepped in lockstep (`run_lockstep`), `rounds`
+    times, each round finishing max(requests_per_level / rounds, 2 x concurrency) requests per
+    policy, and reports a policy over all its rounds. A policy object lives through its level's
+    rounds (what it learned carries over, as in serving), after an unmeasured warm-up of one
+    wave of `concurrency` requests: the steady state of a running server, not a cold start.
     """
     points = []
     for c in concurrencies:
@@ -127,11 +182,15 @@ def run_serve_bench(
         runs: dict[str, list[LoadPoint]] = {spec: [] for spec in policies}
         per_run = max(math.ceil(requests_per_level / rounds), 2 * c)
         for r in range(rounds):
-            for spec in policies if r % 2 == 0 else reversed(policies):
+            loops = []
+            for i, spec in enumerate(policies):
                 engine = base.sibling(base.drafter, verify[spec], max_num_seqs=c)
-                engine.generate(prompts[:1], params.model_copy(update={"max_tokens": 4}))  # warm-up
-                runs[spec].append(run_closed_loop(engine, prompts, c, per_run, params))
-                del engine
+                if r == 0:  # unmeasured: the policy learns its costs and confidences at this load
+                    run_closed_loop(engine, prompts, c, c, params)
+                loops.append(ClosedLoop(engine, prompts, c, per_run, params, id_prefix=f"r{r}p{i}-"))
+            for spec, point in zip(policies, run_lockstep(loops), strict=True):
+                runs[spec].append(point)
+            del loops
         for spec in policies:
             points.append(merge_rounds(runs[spec]))
             if progress:

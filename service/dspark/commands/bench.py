@@ -91,8 +91,8 @@ def decode(engine_config, domains, num_prompts, max_tokens, lookup, no_hf, repea
     type=click.IntRange(min=1),
     default=1,
     show_default=True,
-    help="Run each level's policies round-robin this many times (the requests split between rounds), "
-    "so a shared machine's drift falls on every policy alike.",
+    help="Run each level this many times (the requests split between rounds); within a round the "
+    "policies' closed loops take engine steps in turn, so a shared machine's drift falls on all alike.",
 )
 @click.option("--max-tokens", type=int, default=64, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True)
