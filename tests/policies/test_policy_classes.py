@@ -188,3 +188,21 @@ def test_a_skipped_step_keeps_the_draft_horizon(make) -> None:
     assert policy.max_length(7, 16) == 0  # the gate measures one undrafted step first
     policy.plain_other_s = 1e-4
     assert policy.max_length(7, 16) in (2, 3)
+
+
+@pytest.mark.parametrize("make", [DSparkPolicy, DSparkAsyncPolicy])
+def test_algorithm_1_is_not_stopped_by_an_inverted_profile_point(make) -> None:
+    """A profile timing B = 5 slower than B = 6 (noise on a shared CPU): read through its right
+    envelope, the early break does not stop at that false cliff; a real drop still stops it."""
+    from dspark.profiling.sps_profile import SpsPoint, SpsProfile
+
+    def profile(rates: dict[int, float]) -> SpsProfile:
+        points = [SpsPoint(batch_tokens=b, steps_per_second=s) for b, s in rates.items()]
+        return SpsProfile(device="cpu", model="m", dtype="bfloat16", engine={}, points=points)
+
+    flat = {b: 100.0 for b in range(1, 17)}
+    conf = torch.full((4, 3), 0.9, dtype=torch.float64)
+    inverted = make(profile(flat | {5: 50.0}), refine=False)
+    assert int(inverted.schedule(conf, 3, 4).sum()) == 12  # flat everywhere else: verify it all
+    real_drop = make(profile({b: 100.0 if b < 5 else 50.0 for b in range(1, 17)}), refine=False)
+    assert int(real_drop.schedule(conf, 3, 4).sum()) == 0

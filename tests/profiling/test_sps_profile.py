@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 from dspark.profiling.device import current_device_name
-from dspark.profiling.sps_profile import ProfileError, SpsPoint, SpsProfile, default_profile_path
+from dspark.profiling.sps_profile import (
+    ProfileError,
+    SpsPoint,
+    SpsProfile,
+    default_profile_path,
+    table_lookup,
+)
 
 
 def valid_dict(**overrides) -> dict:
@@ -140,6 +146,21 @@ def test_tensor_lookup_matches_scalar_lookup_and_the_dense_table() -> None:
     assert vector.dtype == torch.float64
     assert vector.tolist() == [profile.sps(int(x)) for x in b]
     assert torch.equal(profile.table(600)[b], vector)
+
+
+def test_the_scheduler_reads_a_profile_through_its_right_envelope() -> None:
+    """table_lookup: SPS(B) = max over B' >= B, so an inverted point (32 slower than 64) is read
+    as 64's rate, a real drop stays, and the profile itself keeps its measured jags."""
+    profile = parse(valid_dict())
+    lookup = table_lookup(profile)
+    b = torch.arange(1, 200)
+    envelope = lookup(b)
+    measured = profile.sps(b)
+    assert torch.all(envelope[1:] <= envelope[:-1])  # never rises with B
+    assert torch.all(envelope >= measured)
+    assert float(envelope[31]) == 45.0 and profile.sps(32) == 40.0  # B = 32 reads 64's rate
+    assert float(envelope[0]) == 60.0 and float(envelope[127]) == 30.0  # the drops to 45 and 30 stay
+    assert torch.equal(envelope[b >= 64], measured[b >= 64])  # past the last rise: as measured
 
 
 def test_matches_and_refusal_message() -> None:

@@ -8,6 +8,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from dspark.engine.llm_engine import LLMEngine
+from dspark.engine.request import Request
 from dspark.engine.sampling_params import SamplingParams
 from dspark.policies.factory import build_policy
 
@@ -52,10 +53,10 @@ class ClosedLoop:
         self.clock = 0.0
         self.issued = 0
         self._started = False
-        self._tracked: dict[str, object] = {}
+        self._tracked: dict[str, Request] = {}
         self._arrival: dict[str, float] = {}
         self._first: dict[str, float] = {}
-        self._finished: list[tuple[str, object, float]] = []  # (id, request, finish time)
+        self._finished: list[tuple[str, Request, float]] = []  # (id, request, finish time)
         self._budgets: list[int] = []
         self._sched = self._steps = 0.0
         self._decode_steps = self._drafted_steps = 0

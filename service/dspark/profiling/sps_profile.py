@@ -46,15 +46,26 @@ class SpsCurve(Protocol):
 
 
 def table_lookup(curve: SpsCurve) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A fast SPS function for integer batch sizes: index a dense per-B table when the curve
-    keeps one (`table(max_b)`), else call its `sps`. The scheduler calls this every step."""
+    """A fast SPS function for integer batch sizes, as the scheduler sees the curve: a dense per-B
+    table (`table(max_b)`) when the curve keeps one, else its `sps`. The scheduler calls this
+    every step.
+
+    A table is read through its right envelope, SPS(B) = max over B' >= B of the measured
+    SPS(B'): no forward is charged more than a larger one. On a shared CPU an inversion (B = 7
+    timed slower than B = 8) is timing noise, and the early break of Algorithm 1 stopped at such
+    a false cliff; where one is real a forward padded to B' would run at SPS(B'). Real cliffs,
+    where the rate drops as B grows, stay as measured; so do the profile file and its plot.
+    """
     table_fn = getattr(curve, "table", None)
     if table_fn is None:
         return curve.sps
+    cache: dict[str, torch.Tensor] = {}
 
     def lookup(batch_tokens: torch.Tensor) -> torch.Tensor:
         table = table_fn(int(batch_tokens.max()))
-        return table.to(batch_tokens.device)[batch_tokens.long()]
+        if cache.get("table") is not table:  # a refined curve rebuilds its table now and then
+            cache["table"], cache["envelope"] = table, table.flip(0).cummax(0).values.flip(0)
+        return cache["envelope"].to(batch_tokens.device)[batch_tokens.long()]
 
     return lookup
 
