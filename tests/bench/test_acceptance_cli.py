@@ -152,7 +152,7 @@ def test_bench_serve_steps_the_policies_in_lockstep_on_their_own_clocks(monkeypa
         def add_request(self, prompt, params, request_id):
             assert request_id not in self.requests
             self.requests[request_id] = SimpleNamespace(
-                output_token_ids=[], stats=SimpleNamespace(rounds=0, tau=0.0)
+                request_id=request_id, output_token_ids=[], stats=SimpleNamespace(rounds=0, tau=0.0)
             )
 
         def has_unfinished_requests(self) -> bool:

@@ -56,7 +56,7 @@ class ClosedLoop:
         self._tracked: dict[str, Request] = {}
         self._arrival: dict[str, float] = {}
         self._first: dict[str, float] = {}
-        self._finished: list[tuple[str, Request, float]] = []  # (id, request, finish time)
+        self._finished: list[tuple[Request, float]] = []  # (request, finish time)
         self._budgets: list[int] = []
         self._sched = self._steps = 0.0
         self._decode_steps = self._drafted_steps = 0
@@ -95,18 +95,18 @@ class ClosedLoop:
             if out.new_token_ids:
                 self._first.setdefault(out.request_id, now)
             if out.finished:
-                self._finished.append((out.request_id, self._tracked.pop(out.request_id), now))
+                self._finished.append((self._tracked.pop(out.request_id), now))
                 if self.issued < self.requests:
                     self._issue(now)
         self.clock += time.perf_counter() - started
 
     def point(self) -> LoadPoint:
         per_user, ttft, taus, tokens = [], [], [], 0
-        for rid, r, finish in self._finished:
+        for r, finish in self._finished:
             n = len(r.output_token_ids)
             tokens += n
-            first = self._first[rid]
-            ttft.append(first - self._arrival[rid])
+            first = self._first[r.request_id]
+            ttft.append(first - self._arrival[r.request_id])
             if n > 1 and finish > first:
                 per_user.append((n - 1) / (finish - first))
             if r.stats.rounds:
@@ -191,7 +191,6 @@ def run_serve_bench(
                 loops.append(ClosedLoop(engine, prompts, c, per_run, params, id_prefix=f"r{r}p{i}-"))
             for spec, point in zip(policies, run_lockstep(loops), strict=True):
                 runs[spec].append(point)
-            del loops
         for spec in policies:
             points.append(merge_rounds(runs[spec]))
             if progress:

@@ -59,13 +59,14 @@ def table_lookup(curve: SpsCurve) -> Callable[[torch.Tensor], torch.Tensor]:
     table_fn = getattr(curve, "table", None)
     if table_fn is None:
         return curve.sps
-    cache: dict[str, torch.Tensor] = {}
+    seen = envelope = None
 
     def lookup(batch_tokens: torch.Tensor) -> torch.Tensor:
+        nonlocal seen, envelope
         table = table_fn(int(batch_tokens.max()))
-        if cache.get("table") is not table:  # a refined curve rebuilds its table now and then
-            cache["table"], cache["envelope"] = table, table.flip(0).cummax(0).values.flip(0)
-        return cache["envelope"].to(batch_tokens.device)[batch_tokens.long()]
+        if table is not seen:  # a refined curve rebuilds its table now and then
+            seen, envelope = table, table.flip(0).cummax(0).values.flip(0)
+        return envelope.to(batch_tokens.device)[batch_tokens.long()]
 
     return lookup
 
