@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 from click.testing import CliRunner
+from dspark.bench.serve import output_lengths
 from dspark.cli import main
 from dspark.drafters.checkpoint import build_model, save_draft_model
 from dspark.drafters.config import DraftConfig
@@ -118,9 +119,11 @@ def test_bench_serve_cli_runs_policies_in_rounds(tiny_pair, tmp_path, monkeypatc
     assert [(p["concurrency"], p["policy"]) for p in points] == [
         (c, n) for c in (1, 2) for n in ("none", "static:1", "dspark")
     ]
+    lengths = output_lengths(6, 0.5)  # the default spread: 3 to 9 tokens, the same for every policy
     for p in points:
+        per_round = max(2, 2 * p["concurrency"])
         assert len(p["extra"]["round_tokens_per_s"]) == 2
-        assert p["requests"] == 2 * max(2, 2 * p["concurrency"]) and p["output_tokens"] == 6 * p["requests"]
+        assert p["requests"] == 2 * per_round and p["output_tokens"] == 2 * sum(lengths[:per_round])
         assert p["aggregate_tokens_per_s"] == pytest.approx(p["output_tokens"] / p["seconds"])
     by = {(p["concurrency"], p["policy"]): p for p in points}
     assert by[(1, "none")]["drafted_share"] == 0 and by[(1, "static:1")]["drafted_share"] == 1
@@ -130,6 +133,27 @@ def test_bench_serve_cli_runs_policies_in_rounds(tiny_pair, tmp_path, monkeypatc
     assert all(row["best_fixed"] in ("none", "static:1") and "dspark_vs_best_fixed" in row for row in levels)
     assert report["meta"]["rounds"] == 2
     assert (out / "frontier.png").stat().st_size > 0 and (out / "verify-budget.png").stat().st_size > 0
+
+
+def test_output_lengths_spread_evenly_around_the_mean():
+    lengths = output_lengths(64, 0.5)
+    assert len(lengths) == 64 and min(lengths) == 32 and max(lengths) == 96
+    assert sum(lengths) / len(lengths) == pytest.approx(64, abs=0.5)
+    assert lengths == output_lengths(64, 0.5) and lengths != sorted(lengths)  # fixed, shuffled order
+    assert set(output_lengths(10, 0.0)) == {10}
+    with pytest.raises(ValueError, match="spread"):
+        output_lengths(64, 1.0)
+
+
+def test_bench_serve_refuses_outputs_longer_than_the_context(tiny_pair, tmp_path):
+    target, drafter = tiny_pair
+    args = ["bench", "serve", "--target", str(target), "--drafter", str(drafter), "--device", "cpu"]
+    args += ["--policies", "none", "--concurrency", "1", "--max-tokens", "400", "--max-model-len", "512"]
+    result = CliRunner().invoke(main, [*args, "--output-dir", str(tmp_path / "serve")])
+    assert (
+        result.exit_code == 2 and "plus the longest output (600) exceeds --max-model-len 512" in result.output
+    )
+    assert not (tmp_path / "serve").exists()
 
 
 def test_bench_serve_steps_the_policies_in_lockstep_on_their_own_clocks(monkeypatch):

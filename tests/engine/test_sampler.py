@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dspark.engine.sampler import SamplingTensors, logits_to_probs, sample
+from dspark.engine.sampler import SamplingTensors, draw, logits_to_probs, sample
 from dspark.engine.sampling_params import SamplingParams
 
 
@@ -54,6 +54,22 @@ def test_greedy_rows_are_one_hot_and_rows_sum_to_one():
     probs = logits_to_probs(logits, SamplingTensors.from_params(PARAMS))
     torch.testing.assert_close(probs.sum(-1), torch.ones(len(PARAMS)))
     assert probs[0].max() == 1.0 and probs[0].argmax() == logits[0].argmax()
+
+
+def test_draw_skips_the_distributions_only_when_every_row_is_greedy():
+    logits = torch.randn(3, 4, 50, generator=torch.Generator().manual_seed(1)) * 3
+    greedy = SamplingTensors.from_params([SamplingParams(temperature=0.0)] * 3)
+    tokens, probs = draw(logits, greedy)
+    assert probs is None and torch.equal(tokens, logits.argmax(-1))
+    assert greedy.select([0, 2]).all_greedy  # worked out from the tensors when not given
+
+    mixed = SamplingTensors.from_params(
+        [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)] * 2
+    )
+    tokens, probs = draw(logits[:2].repeat(2, 1, 1), mixed)
+    assert not mixed.all_greedy and probs.shape == (4, 4, 50)
+    assert torch.equal(tokens[0], logits[0].argmax(-1)) and torch.equal(probs[0].argmax(-1), tokens[0])
+    assert bool((probs.gather(-1, tokens[..., None]) > 0).all())
 
 
 def test_seeded_rows_reproduce_regardless_of_batch_neighbours():

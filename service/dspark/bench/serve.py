@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+import random
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from dspark.engine.llm_engine import LLMEngine
@@ -34,10 +36,28 @@ class LoadPoint:
     extra: dict = field(default_factory=dict)
 
 
+def output_lengths(max_tokens: int, spread: float, count: int = 64, seed: int = 0) -> list[int]:
+    """`count` output lengths evenly spaced over max_tokens x [1 - spread, 1 + spread] (mean
+    max_tokens), in a fixed shuffled order; request i of every loop gets lengths[i % count].
+
+    Equal lengths make a closed loop march in waves: a wave's requests finish on one step and
+    their successors prefill together on the next, with no decode beside them. A policy that
+    drafts breaks the waves up and pays for prefill chunks beside running decodes, which plain
+    decoding is spared only on this artificial load; real traffic has a spread of lengths.
+    """
+    if not 0 <= spread < 1:
+        raise ValueError(f"spread must be in [0, 1), got {spread}")
+    low, high = max_tokens * (1 - spread), max_tokens * (1 + spread)
+    lengths = [max(1, round(low + (high - low) * i / max(count - 1, 1))) for i in range(count)]
+    random.Random(seed).shuffle(lengths)
+    return lengths
+
+
 class ClosedLoop:
     """One policy's closed loop: keeps `concurrency` requests in flight on its engine until
     `requests` have finished, on its own clock (the seconds spent in its own iterations), so
-    loops of several policies can be stepped in turn on one machine."""
+    loops of several policies can be stepped in turn on one machine. Request i asks for
+    `lengths[i % len(lengths)]` tokens when `lengths` is given, else `params.max_tokens`."""
 
     def __init__(
         self,
@@ -47,8 +67,10 @@ class ClosedLoop:
         requests: int,
         params: SamplingParams,
         id_prefix: str = "",
+        lengths: Sequence[int] | None = None,
     ) -> None:
         self.engine, self.prompts, self.params = engine, prompts, params
+        self.lengths = list(lengths) if lengths else None
         self.concurrency, self.requests, self.id_prefix = concurrency, requests, id_prefix
         self.clock = 0.0
         self.issued = 0
@@ -68,7 +90,10 @@ class ClosedLoop:
     def _issue(self, now: float) -> None:
         # Ids unique across loops: the loops of one level share the drafter and its context store.
         rid = f"{self.id_prefix}req-{self.issued}"
-        self.engine.add_request(self.prompts[self.issued % len(self.prompts)], self.params, request_id=rid)
+        params = self.params
+        if self.lengths:
+            params = params.model_copy(update={"max_tokens": self.lengths[self.issued % len(self.lengths)]})
+        self.engine.add_request(self.prompts[self.issued % len(self.prompts)], params, request_id=rid)
         self._tracked[rid] = self.engine.requests[rid]  # the engine forgets a request as it finishes
         self._arrival[rid] = now
         self.issued += 1
@@ -130,10 +155,15 @@ class ClosedLoop:
 
 
 def run_closed_loop(
-    engine: LLMEngine, prompts: list[list[int]], concurrency: int, requests: int, params: SamplingParams
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    concurrency: int,
+    requests: int,
+    params: SamplingParams,
+    lengths: Sequence[int] | None = None,
 ) -> LoadPoint:
     """Keep `concurrency` requests in flight until `requests` have finished."""
-    return run_lockstep([ClosedLoop(engine, prompts, concurrency, requests, params)])[0]
+    return run_lockstep([ClosedLoop(engine, prompts, concurrency, requests, params, lengths=lengths)])[0]
 
 
 def run_lockstep(loops: list[ClosedLoop]) -> list[LoadPoint]:
@@ -168,8 +198,10 @@ def run_serve_bench(
     sps=None,
     progress=None,
     rounds: int = 1,
+    lengths: Sequence[int] | None = None,
 ) -> list[LoadPoint]:
-    """Every policy at every concurrency on the same prompts, same drafter, same weights.
+    """Every policy at every concurrency on the same prompts, output lengths (`output_lengths`;
+    None: all `params.max_tokens`), drafter and weights.
 
     A level runs one closed loop per policy, all stepped in lockstep (`run_lockstep`), `rounds`
     times, each round finishing max(requests_per_level / rounds, 2 x concurrency) requests per
@@ -187,8 +219,10 @@ def run_serve_bench(
             for i, spec in enumerate(policies):
                 engine = base.sibling(base.drafter, verify[spec], max_num_seqs=c)
                 if r == 0:  # unmeasured: the policy learns its costs and confidences at this load
-                    run_closed_loop(engine, prompts, c, c, params)
-                loops.append(ClosedLoop(engine, prompts, c, per_run, params, id_prefix=f"r{r}p{i}-"))
+                    run_closed_loop(engine, prompts, c, c, params, lengths)
+                loops.append(
+                    ClosedLoop(engine, prompts, c, per_run, params, id_prefix=f"r{r}p{i}-", lengths=lengths)
+                )
             for spec, point in zip(policies, run_lockstep(loops), strict=True):
                 runs[spec].append(point)
         for spec in policies:

@@ -94,7 +94,15 @@ def decode(engine_config, domains, num_prompts, max_tokens, lookup, no_hf, repea
     help="Run each level this many times (the requests split between rounds); within a round the "
     "policies' closed loops take engine steps in turn, so a shared machine's drift falls on all alike.",
 )
-@click.option("--max-tokens", type=int, default=64, show_default=True)
+@click.option("--max-tokens", type=int, default=64, show_default=True, help="Mean output length.")
+@click.option(
+    "--length-spread",
+    type=click.FloatRange(0.0, 1.0, max_open=True),
+    default=0.5,
+    show_default=True,
+    help="Output lengths spread evenly over max-tokens x [1 - s, 1 + s], the same for every policy "
+    "(0: all max-tokens; equal lengths make the closed loop run in waves that favour plain decoding).",
+)
 @click.option("--temperature", type=float, default=0.0, show_default=True)
 @click.option("--domains", default="code,chat,math", show_default=True)
 @click.option(
@@ -107,6 +115,7 @@ def serve_bench(
     requests_per_level,
     rounds,
     max_tokens,
+    length_spread,
     temperature,
     domains,
     output_dir,
@@ -115,7 +124,7 @@ def serve_bench(
     import json
 
     from dspark.bench.prompts import BUILTIN_PROMPTS
-    from dspark.bench.serve import as_json, plot_serve_bench, run_serve_bench, summarize
+    from dspark.bench.serve import as_json, output_lengths, plot_serve_bench, run_serve_bench, summarize
     from dspark.commands.generate import encode_prompt
     from dspark.commands.options import build_engine
     from dspark.engine.sampling_params import SamplingParams
@@ -138,8 +147,25 @@ def serve_bench(
             f"drafted {p.drafted_share:.0%}"
         )
 
+    lengths = output_lengths(max_tokens, length_spread)
+    prompt_len = max(map(len, prompts))
+    if prompt_len + max(lengths) > base.max_model_len:
+        raise click.BadParameter(
+            f"the longest prompt ({prompt_len} tokens) plus the longest output ({max(lengths)}) exceeds "
+            f"--max-model-len {base.max_model_len}",
+            param_hint="--max-tokens / --length-spread",
+        )
     points = run_serve_bench(
-        base, names, levels, prompts, params, requests_per_level, sps=sps, progress=show, rounds=rounds
+        base,
+        names,
+        levels,
+        prompts,
+        params,
+        requests_per_level,
+        sps=sps,
+        progress=show,
+        rounds=rounds,
+        lengths=lengths,
     )
     output_dir.mkdir(parents=True, exist_ok=True)
     summary = summarize(points)
@@ -148,6 +174,7 @@ def serve_bench(
         "config": engine_config.model_dump(),
         "machine": platform.processor() or platform.machine(),
         "max_tokens": max_tokens,
+        "length_spread": length_spread,
         "temperature": temperature,
         "rounds": rounds,
     }

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from dspark.drafters.draft_vocab import DraftVocab
 from dspark.drafters.dspark_model import DSparkModel
-from dspark.engine.sampler import SamplingTensors, logits_to_probs, sample
+from dspark.engine.sampler import SamplingTensors, draw
 
 
 def sample_block(
@@ -19,25 +19,34 @@ def sample_block(
     vocab: DraftVocab,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """hidden [R, G, d], anchor [R] -> tokens [R, G], probs [R, G, V] (each token's exact draft
-    distribution, after the request's temperature / top-k / top-p), confidence logits [R, G] or None."""
+    distribution, after the request's temperature / top-k / top-p; None when every row is greedy,
+    i.e. one-hot), confidence logits [R, G] or None."""
     # A 3-D input whose leading strides do not merge (a horizon cut, even a width-1 one that
     # .contiguous() leaves alone) sends F.linear to a bmm over a broadcast copy of the whole
     # head; a 2-D [R * G, d] input (reshape copies only what it must) is one plain matmul.
     base = F.linear(hidden.reshape(-1, hidden.shape[-1]), vocab.head).view(*hidden.shape[:-1], -1)
     head, conf_head = model.markov_head, model.confidence_head
     if head is None:  # DFlash: positions are independent, sample them all at once
-        probs = logits_to_probs(base, sampling)
+        index, probs = draw(base, sampling)
         conf = conf_head(hidden, None) if conf_head is not None else None
-        return vocab.to_target(sample(probs, sampling.generators)), vocab.widen(probs), conf
+        return vocab.to_target(index), _widened(vocab, probs), conf
     prev, state = anchor, head.initial_state(hidden[:, 0])
     tokens, probs, confs = [], [], []
     for k in range(hidden.shape[1]):
         z, emb, state = head.step(hidden[:, k], prev, state)
-        p = logits_to_probs(base[:, k] + F.linear(z, vocab.markov), sampling)
-        prev = vocab.to_target(sample(p, sampling.generators))
+        index, p = draw(base[:, k] + F.linear(z, vocab.markov), sampling)
+        prev = vocab.to_target(index)
         tokens.append(prev)
         probs.append(p)
         if conf_head is not None:
             confs.append(conf_head(hidden[:, k], emb))
     conf = torch.stack(confs, 1) if confs else None
-    return torch.stack(tokens, 1), vocab.widen(torch.stack(probs, 1)), conf
+    return (
+        torch.stack(tokens, 1),
+        _widened(vocab, torch.stack(probs, 1) if probs[0] is not None else None),
+        conf,
+    )
+
+
+def _widened(vocab: DraftVocab, probs: torch.Tensor | None) -> torch.Tensor | None:
+    return vocab.widen(probs) if probs is not None else None

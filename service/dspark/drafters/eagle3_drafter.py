@@ -12,7 +12,7 @@ from dspark.drafters.draft_vocab import DraftVocab
 from dspark.drafters.eagle3_model import Eagle3Model
 from dspark.drafters.feature_batch import check_in_sync, gather_commit
 from dspark.engine.request import Request
-from dspark.engine.sampler import SamplingTensors, logits_to_probs, sample
+from dspark.engine.sampler import SamplingTensors, draw
 
 
 class Eagle3Drafter(Drafter):
@@ -80,10 +80,11 @@ class Eagle3Drafter(Drafter):
                 mask = torch.cat([ctx_mask, own], dim=1)[:, None, :]
                 hidden = self.model.entry_output(hidden[:, None], q, keys, values, mask)[:, 0]
             # Sampled over the head's own rows, widened to the target vocabulary once at the end.
-            p = logits_to_probs(self.model.draft_logits(hidden), sampling)
-            tokens.append(self.vocab.to_target(sample(p, sampling.generators)))
+            index, p = draw(self.model.draft_logits(hidden), sampling)
+            tokens.append(self.vocab.to_target(index))
             probs.append(p)
-        return DraftBlock(torch.stack(tokens, 1), self.vocab.widen(torch.stack(probs, 1)), None)
+        widened = self.vocab.widen(torch.stack(probs, 1)) if probs[0] is not None else None  # None: greedy
+        return DraftBlock(torch.stack(tokens, 1), widened, None)
 
     def _process_pending(
         self, requests: Sequence[Request], rows: torch.Tensor, lengths: list[int]

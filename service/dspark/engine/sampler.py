@@ -8,7 +8,7 @@ against (lossless rejection sampling depends on it).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,8 @@ class SamplingTensors:
     top_k: torch.Tensor  # [R] int64, 0 = off
     top_p: torch.Tensor  # [R] float32, 1 = off
     generators: Sequence[torch.Generator | None]  # per row; None draws from the global RNG
+    # Known on the host when built from params: asking the device would sync every draft position.
+    all_greedy_rows: bool | None = field(default=None, repr=False)
 
     @classmethod
     def from_params(
@@ -36,6 +38,7 @@ class SamplingTensors:
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
             generators=list(generators) if generators is not None else [None] * len(params),
+            all_greedy_rows=all(p.greedy for p in params),
         )
 
     def __len__(self) -> int:
@@ -44,6 +47,12 @@ class SamplingTensors:
     @property
     def greedy(self) -> torch.Tensor:
         return self.temperature == 0
+
+    @property
+    def all_greedy(self) -> bool:
+        if self.all_greedy_rows is None:
+            self.all_greedy_rows = bool(self.greedy.all())
+        return self.all_greedy_rows
 
     def select(self, rows: Sequence[int]) -> SamplingTensors:
         idx = torch.as_tensor(list(rows), dtype=torch.long, device=self.temperature.device)
@@ -76,6 +85,19 @@ def logits_to_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         one_hot = torch.zeros_like(probs).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None, None], one_hot, probs)
     return probs.reshape(shape)
+
+
+def draw(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Tokens from logits [R, ..., V] and the distributions they were drawn from, [R, ..., V].
+
+    When every row is greedy the distributions are one-hot at the argmax and come back as None
+    (the `DraftBlock` convention): the softmax, one-hot and CDF over the vocabulary would cost
+    more than the draft head's matmul, and greedy verification never reads them.
+    """
+    if st.all_greedy:
+        return logits.argmax(-1), None
+    probs = logits_to_probs(logits, st)
+    return sample(probs, st.generators), probs
 
 
 def _apply_top_k(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

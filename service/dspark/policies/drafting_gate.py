@@ -16,9 +16,10 @@ import math
 from collections import deque
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-from dspark.policies.prefix_scheduler import SpsFn, early_stop, expected_throughputs, ranked_candidates
+from dspark.policies.prefix_scheduler import SpsFn, ranked_candidates
 
 
 def ewma(old: float | None, new: float, alpha: float) -> float:
@@ -205,15 +206,24 @@ class DraftingGate:
     def ranked_rate(
         values: torch.Tensor, rows: int, num_requests: int, forward_sps: SpsFn, fixed_s: float
     ) -> float:
-        """`expected_rate` from the pool's ranked survival values (`ranked_candidates`) and row count."""
+        """`expected_rate` from the pool's ranked survival values (`ranked_candidates`) and row count.
 
-        def step_rate(batch: torch.Tensor) -> torch.Tensor:
-            # Fractional batch sizes: interpolate the forward time between the integers around them.
-            low = batch.floor()
-            frac = batch - low
-            forward_s = 1.0 / forward_sps(torch.cat([low, low + 1]).long()).to(torch.float64)
-            forward_s = (1 - frac) * forward_s[: low.numel()] + frac * forward_s[low.numel() :]
-            return 1.0 / (fixed_s + forward_s)
-
-        theta = expected_throughputs(values, num_requests, step_rate, weight=num_requests / rows)
-        return float(theta[early_stop(theta)])
+        Algorithm 1's objective and early stop (`expected_throughputs`, `early_stop`) over a few
+        hundred candidates, in numpy: the gate runs on every step, skipped ones too, and the same
+        dozen small torch ops cost ten times as much (on a 2-core CPU about 0.25 ms a step, 0.6%
+        of a 4-user step)."""
+        survival = values.numpy()
+        weight = num_requests / rows
+        batch = num_requests + weight * np.arange(survival.size + 1)
+        low = np.floor(batch).astype(np.int64)
+        # One lookup over every integer batch size the candidates reach; fractional batch sizes
+        # interpolate the forward time between the integers around them.
+        forward_s = 1.0 / forward_sps(torch.arange(int(low[-1]) + 2)).to(torch.float64).numpy()
+        frac = batch - low
+        step_s = fixed_s + (1 - frac) * forward_s[low] + frac * forward_s[low + 1]
+        tau = num_requests + weight * np.concatenate(([0.0], np.cumsum(survival)))
+        theta = tau / step_s
+        theta[1:][survival <= 0] = -np.inf
+        rising = theta[1:] > theta[:-1]
+        admitted = rising.size if rising.all() else int(rising.argmin())
+        return float(theta[admitted])
