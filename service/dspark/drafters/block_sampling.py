@@ -29,7 +29,7 @@ def sample_block(
     if head is None:  # DFlash: positions are independent, sample them all at once
         index, probs = draw(base, sampling)
         conf = conf_head(hidden, None) if conf_head is not None else None
-        return vocab.to_target(index), _widened(vocab, probs), conf
+        return vocab.to_target(index), vocab.widen(probs), conf
     prev, state = anchor, head.initial_state(hidden[:, 0])
     tokens, probs, confs = [], [], []
     for k in range(hidden.shape[1]):
@@ -41,12 +41,5 @@ def sample_block(
         if conf_head is not None:
             confs.append(conf_head(hidden[:, k], emb))
     conf = torch.stack(confs, 1) if confs else None
-    return (
-        torch.stack(tokens, 1),
-        _widened(vocab, torch.stack(probs, 1) if probs[0] is not None else None),
-        conf,
-    )
-
-
-def _widened(vocab: DraftVocab, probs: torch.Tensor | None) -> torch.Tensor | None:
-    return vocab.widen(probs) if probs is not None else None
+    stacked = torch.stack(probs, 1) if probs[0] is not None else None  # None: every row greedy
+    return torch.stack(tokens, 1), vocab.widen(stacked), conf

@@ -53,9 +53,10 @@ class DraftVocab:
         """Row indices -> target token ids."""
         return index if self.ids is None else self.ids[index]
 
-    def widen(self, probs: torch.Tensor) -> torch.Tensor:
-        """probs [..., Vd] over the rows -> [..., V], zero outside the drafting vocabulary."""
-        if self.ids is None:
+    def widen(self, probs: torch.Tensor | None) -> torch.Tensor | None:
+        """probs [..., Vd] over the rows -> [..., V], zero outside the drafting vocabulary (None,
+        an all-greedy block's one-hot distributions, stays None)."""
+        if self.ids is None or probs is None:
             return probs
         full = probs.new_zeros(*probs.shape[:-1], self.vocab_size)
         return full.index_copy_(-1, self.ids, probs)

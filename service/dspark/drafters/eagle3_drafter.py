@@ -83,8 +83,8 @@ class Eagle3Drafter(Drafter):
             index, p = draw(self.model.draft_logits(hidden), sampling)
             tokens.append(self.vocab.to_target(index))
             probs.append(p)
-        widened = self.vocab.widen(torch.stack(probs, 1)) if probs[0] is not None else None  # None: greedy
-        return DraftBlock(torch.stack(tokens, 1), widened, None)
+        stacked = torch.stack(probs, 1) if probs[0] is not None else None  # None: every row greedy
+        return DraftBlock(torch.stack(tokens, 1), self.vocab.widen(stacked), None)
 
     def _process_pending(
         self, requests: Sequence[Request], rows: torch.Tensor, lengths: list[int]
