@@ -43,3 +43,13 @@ def sampling_for(requests: list[Request], seeds: list[int | None] | None = None)
 def sequence(length: int, seed: int, vocab: int = 1000) -> list[int]:
     """A deterministic pseudo-random token sequence (ids below the fixture's mask token)."""
     return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def assert_same_distributions(row_probs, alone_probs, alone_tokens):
+    """A request drafted alone draws from what its row in a mixed batch holds; a greedy request
+    alone gets None (one-hot), its batch row the one-hot distributions."""
+    if alone_probs is None:
+        one_hot = torch.nn.functional.one_hot(alone_tokens, row_probs.shape[-1]).to(row_probs.dtype)
+        assert torch.equal(row_probs, one_hot)
+    else:
+        torch.testing.assert_close(row_probs, alone_probs[0], atol=1e-5, rtol=1e-4)

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from tests.drafters.helpers import (
     FIXTURE,
     VARIANTS,
+    assert_same_distributions,
     make_request,
     sampling_for,
     sequence,
@@ -344,13 +345,3 @@ def test_markov_head_over_the_drafting_vocabulary(variant, target, tmp_path):
         torch.testing.assert_close(logits[:, 0], plain[:, 0])
     with pytest.raises(ValueError, match="its own drafting vocabulary"):
         restrict_draft_vocabulary(small, subset[:100])
-
-
-def assert_same_distributions(row_probs, alone_probs, alone_tokens):
-    """A request drafted alone draws from what its row in a mixed batch holds; a greedy request
-    alone gets None (one-hot), its batch row the one-hot distributions."""
-    if alone_probs is None:
-        one_hot = torch.nn.functional.one_hot(alone_tokens, row_probs.shape[-1]).to(row_probs.dtype)
-        assert torch.equal(row_probs, one_hot)
-    else:
-        torch.testing.assert_close(row_probs, alone_probs[0], atol=1e-5, rtol=1e-4)

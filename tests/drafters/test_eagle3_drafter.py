@@ -16,7 +16,14 @@ from dspark.drafters.config import DraftConfig
 from dspark.drafters.eagle3_drafter import Eagle3Drafter
 from dspark.drafters.factory import load_drafter
 
-from tests.drafters.helpers import FIXTURE, make_request, sampling_for, sequence, target_features
+from tests.drafters.helpers import (
+    FIXTURE,
+    assert_same_distributions,
+    make_request,
+    sampling_for,
+    sequence,
+    target_features,
+)
 
 GAMMA = 5
 
@@ -177,13 +184,3 @@ def test_lm_head_is_kept_and_embedding_required(tmp_path, target):
     )
     with pytest.raises(ValueError, match=r"lacks weights \['embed_tokens\.weight'\]"):
         load_drafter(str(ckpt), target.config)
-
-
-def assert_same_distributions(row_probs, alone_probs, alone_tokens):
-    """A request drafted alone draws from what its row in a mixed batch holds; a greedy request
-    alone gets None (one-hot), its batch row the one-hot distributions."""
-    if alone_probs is None:
-        one_hot = torch.nn.functional.one_hot(alone_tokens, row_probs.shape[-1]).to(row_probs.dtype)
-        assert torch.equal(row_probs, one_hot)
-    else:
-        torch.testing.assert_close(row_probs, alone_probs[0], atol=1e-5, rtol=1e-4)
