@@ -61,7 +61,7 @@ def test_draw_skips_the_distributions_only_when_every_row_is_greedy():
     greedy = SamplingTensors.from_params([SamplingParams(temperature=0.0)] * 3)
     tokens, probs = draw(logits, greedy)
     assert probs is None and torch.equal(tokens, logits.argmax(-1))
-    assert greedy.select([0, 2]).all_greedy  # worked out from the tensors when not given
+    assert greedy.select([0, 2]).all_greedy  # rows of an all-greedy batch stay all greedy
 
     mixed = SamplingTensors.from_params(
         [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)] * 2

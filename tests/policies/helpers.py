@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 from dspark.engine.outputs import StepStats
+from dspark.profiling.sps_profile import SpsPoint, SpsProfile
+
+
+def profile(sps: dict[int, float]) -> SpsProfile:
+    """A profile with exactly these steps-per-second rates per batch size."""
+    points = [SpsPoint(batch_tokens=b, steps_per_second=s) for b, s in sps.items()]
+    return SpsProfile(device="cpu", model="toy", dtype="float32", points=points)
 
 
 def step_stats(

@@ -12,7 +12,7 @@ from dspark.policies.threshold import ThresholdPolicy
 from dspark.profiling.online import OnlineSps
 from dspark.profiling.synthetic import synthetic_profile
 
-from tests.policies.helpers import step_stats
+from tests.policies.helpers import profile, step_stats
 
 PROFILE = synthetic_profile(max_batch_tokens=512, fixed_ms=2.0, per_token_us=40.0, tile=64, tile_ms=0.3)
 
@@ -194,12 +194,6 @@ def test_a_skipped_step_keeps_the_draft_horizon(make) -> None:
 def test_algorithm_1_is_not_stopped_by_an_inverted_profile_point(make) -> None:
     """A profile timing B = 5 slower than B = 6 (noise on a shared CPU): read through its right
     envelope, the early break does not stop at that false cliff; a real drop still stops it."""
-    from dspark.profiling.sps_profile import SpsPoint, SpsProfile
-
-    def profile(rates: dict[int, float]) -> SpsProfile:
-        points = [SpsPoint(batch_tokens=b, steps_per_second=s) for b, s in rates.items()]
-        return SpsProfile(device="cpu", model="m", dtype="bfloat16", engine={}, points=points)
-
     flat = {b: 100.0 for b in range(1, 17)}
     conf = torch.full((4, 3), 0.9, dtype=torch.float64)
     inverted = make(profile(flat | {5: 50.0}), refine=False)

@@ -16,7 +16,9 @@ from dspark.engine.verifier import verify_draft_tokens
 from dspark.policies.base import VerifyPolicy
 from dspark.policies.factory import build_policy
 from dspark.policies.prefix_scheduler import schedule_global_argmax
-from dspark.profiling.sps_profile import SpsPoint, SpsProfile
+from dspark.profiling.sps_profile import SpsProfile
+
+from tests.policies.helpers import profile
 
 VOCAB, GAMMA = 6, 4
 TV_LIMIT = 0.01
@@ -41,11 +43,6 @@ def required_draws(p: torch.Tensor) -> int:
     0.5 * sum_i 4 * sqrt(p_i (1 - p_i) / N) <= TV_LIMIT. A real bias of BIAS_TO_CATCH then
     shows as TV >= BIAS_TO_CATCH - TV_LIMIT > TV_LIMIT and fails."""
     return math.ceil((2 * (p * (1 - p)).sqrt().sum().item() / TV_LIMIT) ** 2)
-
-
-def profile(sps: dict[int, float]) -> SpsProfile:
-    points = [SpsPoint(batch_tokens=b, steps_per_second=s) for b, s in sps.items()]
-    return SpsProfile(device="cpu", model="toy", dtype="float32", points=points)
 
 
 def staircase_profile(max_b: int) -> SpsProfile:

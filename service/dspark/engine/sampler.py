@@ -8,7 +8,7 @@ against (lossless rejection sampling depends on it).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -23,8 +23,9 @@ class SamplingTensors:
     top_k: torch.Tensor  # [R] int64, 0 = off
     top_p: torch.Tensor  # [R] float32, 1 = off
     generators: Sequence[torch.Generator | None]  # per row; None draws from the global RNG
-    # Known on the host when built from params: asking the device would sync every draft position.
-    all_greedy_rows: bool | None = field(default=None, repr=False)
+    # Every row greedy, known on the host (asking the device would sync every draft position);
+    # False only costs the full sampling path.
+    all_greedy: bool = False
 
     @classmethod
     def from_params(
@@ -38,7 +39,7 @@ class SamplingTensors:
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
             generators=list(generators) if generators is not None else [None] * len(params),
-            all_greedy_rows=all(p.greedy for p in params),
+            all_greedy=all(p.greedy for p in params),
         )
 
     def __len__(self) -> int:
@@ -48,16 +49,14 @@ class SamplingTensors:
     def greedy(self) -> torch.Tensor:
         return self.temperature == 0
 
-    @property
-    def all_greedy(self) -> bool:
-        if self.all_greedy_rows is None:
-            self.all_greedy_rows = bool(self.greedy.all())
-        return self.all_greedy_rows
-
     def select(self, rows: Sequence[int]) -> SamplingTensors:
         idx = torch.as_tensor(list(rows), dtype=torch.long, device=self.temperature.device)
         return SamplingTensors(
-            self.temperature[idx], self.top_k[idx], self.top_p[idx], [self.generators[i] for i in rows]
+            self.temperature[idx],
+            self.top_k[idx],
+            self.top_p[idx],
+            [self.generators[i] for i in rows],
+            all_greedy=self.all_greedy,
         )
 
 
