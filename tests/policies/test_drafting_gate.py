@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from dspark.policies.acceptance_scale import AcceptanceScale
@@ -190,7 +191,7 @@ def test_pool_keeps_the_newest_steps_covering_memory_rows_zero_padded() -> None:
             steps.pop(0)
         widest = max(c.shape[1] for c in steps)
         rebuilt = torch.cat([torch.nn.functional.pad(c, (0, widest - c.shape[1])) for c in steps])
-        assert torch.equal(gate.pool(), rebuilt)
+        assert gate.pool().tolist() == rebuilt.tolist()
 
 
 @pytest.mark.parametrize("make", [DSparkPolicy, DSparkAsyncPolicy])
@@ -257,9 +258,9 @@ def test_acceptance_scale_tracks_observed_over_predicted_per_position_and_rescal
     assert scale.factor == pytest.approx((50 + 5) / (100 + 5), rel=1e-3)  # steady sums 100, 50 + prior
     factors = scale.factors(3)
     assert factors[1] == pytest.approx((50 + 5) / (25 + 5), rel=1e-3) and factors[2] == 1.0
-    conf = torch.tensor([[0.8, 0.5, 0.9], [0.9, 0.95, 0.5]], dtype=torch.float64)
+    conf = np.array([[0.8, 0.5, 0.9], [0.9, 0.95, 0.5]])
     scaled = scale.apply(conf)
-    expected = (survival_probabilities(conf) * factors).clamp(max=1.0).cummin(dim=1).values
+    expected = np.minimum.accumulate(np.minimum(survival_probabilities(conf) * factors, 1.0), axis=1)
     assert survival_probabilities(scaled) == pytest.approx(expected)
     assert bool((scaled >= 0).all() and (scaled <= 1).all())
     assert conf[0, 0] == 0.8  # the input is left alone

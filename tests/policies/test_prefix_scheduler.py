@@ -6,6 +6,7 @@ import math
 import random
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 from dspark.policies.prefix_scheduler import (
@@ -100,7 +101,7 @@ def test_topk_never_verifies_zero_survival() -> None:
 def test_early_break_stops_at_first_drop_where_global_search_goes_on() -> None:
     # Theta: 1.0 (l=0), 0.9 (l=1), 1.134 (l=2): a dip, then the global maximum.
     sps = {1: 1.0, 2: 0.5, 3: 0.45}
-    fn = lambda b: torch.tensor([sps[int(x)] for x in b], dtype=torch.float64)  # noqa: E731
+    fn = lambda b: np.array([sps[int(x)] for x in b])  # noqa: E731
     conf = torch.tensor([[0.8, 0.9]])
     assert schedule_prefix_greedy(conf, fn).tolist() == [0]
     assert schedule_global_argmax(conf, fn).tolist() == [2]
@@ -110,7 +111,7 @@ def test_flat_sps_verifies_every_surviving_token() -> None:
     gen = torch.Generator().manual_seed(0)
     conf = torch.rand(16, 7, generator=gen).clamp_min(1e-3)
     conf[3, 4] = 0.0  # survival is zero from position 5 on
-    lengths = schedule_prefix_greedy(conf, lambda b: torch.ones_like(b, dtype=torch.float64))
+    lengths = schedule_prefix_greedy(conf, np.ones_like)
     expected = torch.full((16,), 7)
     expected[3] = 4
     assert lengths.tolist() == expected.tolist()
@@ -119,12 +120,12 @@ def test_flat_sps_verifies_every_surviving_token() -> None:
 def test_steep_sps_verifies_nothing() -> None:
     # SPS halves per extra token: no draft token can pay for itself.
     conf = torch.ones(8, 5)
-    lengths = schedule_prefix_greedy(conf, lambda b: torch.pow(0.5, b.to(torch.float64)))
+    lengths = schedule_prefix_greedy(conf, lambda b: 0.5**b)
     assert lengths.tolist() == [0] * 8
 
 
 def test_gamma_zero_and_no_requests() -> None:
-    one = lambda b: torch.ones_like(b, dtype=torch.float64)  # noqa: E731
+    one = np.ones_like
     assert schedule_prefix_greedy(torch.empty(3, 0), one).tolist() == [0, 0, 0]
     assert schedule_global_argmax(torch.empty(0, 4), one).tolist() == []
     assert topk_survival(torch.empty(2, 0), 5).tolist() == [0, 0]

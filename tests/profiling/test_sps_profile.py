@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from dspark.profiling.device import current_device_name
@@ -153,14 +154,15 @@ def test_the_scheduler_reads_a_profile_through_its_right_envelope() -> None:
     as 64's rate, a real drop stays, and the profile itself keeps its measured jags."""
     profile = parse(valid_dict())
     lookup = table_lookup(profile)
-    b = torch.arange(1, 200)
+    b = np.arange(1, 200)
     envelope = lookup(b)
     measured = profile.sps(b)
-    assert torch.all(envelope[1:] <= envelope[:-1])  # never rises with B
-    assert torch.all(envelope >= measured)
+    assert isinstance(measured, np.ndarray) and measured.dtype == np.float64  # NumPy in, NumPy out
+    assert np.all(envelope[1:] <= envelope[:-1])  # never rises with B
+    assert np.all(envelope >= measured)
     assert float(envelope[31]) == 45.0 and profile.sps(32) == 40.0  # B = 32 reads 64's rate
     assert float(envelope[0]) == 60.0 and float(envelope[127]) == 30.0  # the drops to 45 and 30 stay
-    assert torch.equal(envelope[b >= 64], measured[b >= 64])  # past the last rise: as measured
+    assert np.array_equal(envelope[b >= 64], measured[b >= 64])  # past the last rise: as measured
 
 
 def test_matches_and_refusal_message() -> None:

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import AutoTokenizer
 
@@ -212,14 +213,14 @@ class LLMEngine:
         lengths = self.policy.schedule(confidences, width, len(decodes))
         self._stats.policy_fallback = getattr(self.policy, "fallbacks", 0) > fallbacks
         limit = [r.remaining_tokens - 1 for r in decodes]  # the bonus token must fit in max_tokens
-        lengths = lengths.cpu()
+        lengths = lengths.cpu().numpy()
         if block.num_valid is not None:
-            lengths = torch.minimum(lengths, block.num_valid.cpu())
-        lengths = torch.minimum(lengths, torch.tensor(limit)).clamp_min(0)
+            lengths = np.minimum(lengths, block.num_valid.cpu().numpy())
+        lengths = np.maximum(np.minimum(lengths, limit), 0)
         if confidences is not None:  # what the confidence head expects to be accepted
-            survival = survival_probabilities(confidences).cpu()
-            verified = torch.arange(survival.shape[1])[None, :] < lengths[:, None]
-            per_position = torch.where(verified, survival, 0.0).sum(dim=0)
+            survival = survival_probabilities(confidences)
+            verified = np.arange(survival.shape[1]) < lengths[:, None]
+            per_position = np.where(verified, survival, 0.0).sum(axis=0)
             self._stats.predicted_accepted_tokens = float(per_position.sum())
             self._stats.predicted_per_position = per_position.tolist()
         lengths = lengths.tolist()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import torch
+import numpy as np
 
 
 class AcceptanceScale:
@@ -31,23 +31,23 @@ class AcceptanceScale:
     def __init__(self, decay: float = 0.999, prior_tokens: float = 5.0) -> None:
         self.decay = decay
         self.prior_tokens = prior_tokens
-        self._predicted = torch.zeros(0, dtype=torch.float64)
-        self._accepted = torch.zeros(0, dtype=torch.float64)
+        self._predicted = np.zeros(0)
+        self._accepted = np.zeros(0)
 
     def observe(self, predicted: Sequence[float], accepted: Sequence[int], rounds: int = 1) -> None:
         """Predicted survival and accepted tokens per position of one drafted step, in which
         `rounds` requests verified draft tokens."""
         if not predicted or not all(math.isfinite(p) and p >= 0 for p in predicted):
             return
-        width = max(len(predicted), self._predicted.numel())
+        width = max(len(predicted), self._predicted.size)
         forget = self.decay ** max(rounds, 1)
         self._predicted = _grown(self._predicted, width) * forget
         self._accepted = _grown(self._accepted, width) * forget
-        self._predicted[: len(predicted)] += torch.tensor(predicted, dtype=torch.float64)
-        counts = torch.tensor(list(accepted)[: len(predicted)], dtype=torch.float64)
-        self._accepted[: counts.numel()] += counts
+        self._predicted[: len(predicted)] += predicted
+        counts = np.asarray(list(accepted)[: len(predicted)], dtype=np.float64)
+        self._accepted[: counts.size] += counts
 
-    def factors(self, width: int) -> torch.Tensor:
+    def factors(self, width: int) -> np.ndarray:
         """[width] observed / predicted survival per position (1 where nothing was verified)."""
         pred, acc = _grown(self._predicted, width)[:width], _grown(self._accepted, width)[:width]
         return (acc + self.prior_tokens) / (pred + self.prior_tokens)
@@ -57,13 +57,15 @@ class AcceptanceScale:
         """The first position's factor."""
         return float(self.factors(1)[0])
 
-    def apply(self, confidences: torch.Tensor) -> torch.Tensor:
-        survival = confidences.cumprod(dim=1) * self.factors(confidences.shape[1])
-        survival = survival.clamp(0.0, 1.0).cummin(dim=1).values
-        before = torch.cat([survival.new_ones(survival.shape[0], 1), survival[:, :-1]], dim=1)
-        return torch.where(before > 0, survival / before.clamp_min(1e-300), torch.zeros_like(survival))
+    def apply(self, confidences: np.ndarray) -> np.ndarray:
+        """Rescaled conditional confidences [R, w] (float64 NumPy, like the input)."""
+        survival = np.cumprod(confidences, axis=1) * self.factors(confidences.shape[1])
+        survival = np.minimum.accumulate(np.clip(survival, 0.0, 1.0), axis=1)
+        before = np.ones_like(survival)
+        before[:, 1:] = survival[:, :-1]
+        return np.where(before > 0, survival / np.maximum(before, 1e-300), 0.0)
 
 
-def _grown(values: torch.Tensor, width: int) -> torch.Tensor:
+def _grown(values: np.ndarray, width: int) -> np.ndarray:
     """`values` zero-extended to at least `width` (itself when already that long)."""
-    return values if values.numel() >= width else torch.nn.functional.pad(values, (0, width - values.numel()))
+    return values if values.size >= width else np.pad(values, (0, width - values.size))

@@ -5,9 +5,11 @@ from __future__ import annotations
 import logging
 from abc import abstractmethod
 
+import numpy as np
 import torch
 
 from dspark.policies.base import VerifyPolicy
+from dspark.policies.prefix_scheduler import host_array
 
 logger = logging.getLogger(__name__)
 
@@ -20,9 +22,9 @@ class ConfidencePolicy(VerifyPolicy):
     drafter did. `fallbacks` counts such steps for the metrics layer; one warning is logged
     per burst of consecutive fallback steps.
 
-    Scheduling runs on the CPU (the confidences are copied there once; R x gamma is tiny and
-    the engine needs the lengths on the host to lay out the batch): lengths come back as a CPU
-    int64 tensor, like `StaticPolicy`'s.
+    Scheduling runs on the host in NumPy (the confidences are copied there once; R x gamma is
+    tiny and the engine needs the lengths on the host to lay out the batch): lengths come back
+    as a CPU int64 tensor, like `StaticPolicy`'s.
     """
 
     def __init__(self) -> None:
@@ -37,7 +39,7 @@ class ConfidencePolicy(VerifyPolicy):
         if num_requests == 0 or gamma == 0:
             return torch.zeros(num_requests, dtype=torch.int64)
         if confidences is not None:
-            confidences = confidences.detach().to("cpu", torch.float64)
+            confidences = host_array(confidences)
         problem = self._unusable(confidences)
         if problem is not None:
             return self._fall_back(problem, gamma, num_requests)
@@ -46,16 +48,16 @@ class ConfidencePolicy(VerifyPolicy):
             self._in_fallback = False
         return self._schedule(self._prepare(confidences))
 
-    def _prepare(self, confidences: torch.Tensor) -> torch.Tensor:
-        """Usable confidences (CPU float64, finite) on their way to `_schedule`: a hook for
+    def _prepare(self, confidences: np.ndarray) -> np.ndarray:
+        """Usable confidences (float64, finite) on their way to `_schedule`: a hook for
         policies that adjust or record them."""
         return confidences
 
     @staticmethod
-    def _unusable(confidences: torch.Tensor | None) -> str | None:
+    def _unusable(confidences: np.ndarray | None) -> str | None:
         if confidences is None:
             return "the drafter gave no confidences"
-        if not bool(torch.isfinite(confidences).all()):
+        if not np.isfinite(confidences).all():
             return "confidences contain NaN or inf"
         return None
 
@@ -77,5 +79,5 @@ class ConfidencePolicy(VerifyPolicy):
         """A step was scheduled by the fallback (stateful policies record the gap)."""
 
     @abstractmethod
-    def _schedule(self, confidences: torch.Tensor) -> torch.Tensor:
-        """Lengths [R] for finite confidences [R, gamma] with R, gamma >= 1."""
+    def _schedule(self, confidences: np.ndarray) -> torch.Tensor:
+        """Lengths [R] (CPU int64) for finite confidences [R, gamma] (float64) with R, gamma >= 1."""

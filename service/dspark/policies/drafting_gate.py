@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from dspark.policies.prefix_scheduler import SpsFn, ranked_candidates
+from dspark.policies.prefix_scheduler import SpsFn, early_stop, host_array, ranked_candidates
 
 
 def ewma(old: float | None, new: float, alpha: float) -> float:
@@ -62,8 +62,12 @@ class DraftCost:
         return _interp(self._seconds, num_requests)
 
 
-def _padded(rows: torch.Tensor, width: int) -> torch.Tensor:
-    return rows if rows.shape[1] == width else torch.nn.functional.pad(rows, (0, width - rows.shape[1]))
+def _padded(rows: np.ndarray, width: int) -> np.ndarray:
+    if rows.shape[1] == width:
+        return rows
+    padded = np.zeros((rows.shape[0], width))  # np.pad takes ten times as long on a 64 x 7 pool
+    padded[:, : rows.shape[1]] = rows
+    return padded
 
 
 def _interp(table: dict[int, float], x: int) -> float:
@@ -107,17 +111,18 @@ class DraftingGate:
         self.explore_every = explore_every
         self.memory_rows = memory_rows
         self._shapes: deque[tuple[int, int]] = deque()  # (rows, width) per remembered step, oldest first
-        self._pool = torch.zeros(0, 0, dtype=torch.float64)  # their rows, zero-padded to the widest
-        self._ranked: dict[int, torch.Tensor] = {}  # horizon -> the pool's ranked survival values
+        self._pool = np.zeros((0, 0))  # their rows, zero-padded to the widest
+        self._ranked: dict[int, np.ndarray] = {}  # horizon -> the pool's ranked survival values
         self._skipped_in_a_row = 0
         self._explore_interval = explore_every
         self._explored = False
         self._burst_left = 0
         self.skipped_steps = 0
 
-    def remember(self, confidences: torch.Tensor) -> None:
-        """Finite confidences [R, w] (CPU float64) of a step that drafted."""
-        if not confidences.numel():
+    def remember(self, confidences: np.ndarray | torch.Tensor) -> None:
+        """Finite confidences [R, w] of a step that drafted."""
+        confidences = host_array(confidences)
+        if not confidences.size:
             return
         self._shapes.append((confidences.shape[0], confidences.shape[1]))
         total = self._pool.shape[0] + confidences.shape[0]
@@ -126,7 +131,7 @@ class DraftingGate:
         dropped = self._pool.shape[0] + confidences.shape[0] - total
         width = max(w for _, w in self._shapes)
         kept = self._pool[dropped:, :width]  # columns past `width` only padded dropped rows
-        self._pool = torch.cat([_padded(kept, width), _padded(confidences, width)])
+        self._pool = np.concatenate([_padded(kept, width), _padded(confidences, width)])
         self._ranked.clear()
 
     def should_draft(
@@ -170,7 +175,7 @@ class DraftingGate:
         if plain_other_s is None:
             self.skipped_steps += 1
             return 0
-        without = num_requests / (plain_other_s + 1.0 / float(forward_sps(torch.tensor([num_requests]))[0]))
+        without = num_requests / (plain_other_s + 1.0 / float(forward_sps(np.array([num_requests]))[0]))
         # Horizons past the remembered rows' width have no confidences to judge them by.
         rows, width = self._pool.shape
         best, best_rate = 0, without * (1.0 + self.min_gain)
@@ -191,12 +196,12 @@ class DraftingGate:
         self.skipped_steps += 1
         return 0
 
-    def pool(self) -> torch.Tensor:
+    def pool(self) -> np.ndarray:
         """The remembered rows, zero-padded to the widest (a position not drafted is not a candidate)."""
         return self._pool
 
     @staticmethod
-    def expected_rate(pool: torch.Tensor, num_requests: int, forward_sps: SpsFn, fixed_s: float) -> float:
+    def expected_rate(pool: np.ndarray, num_requests: int, forward_sps: SpsFn, fixed_s: float) -> float:
         """Expected tokens per second of a step of `num_requests` requests like the `pool` rows
         that spends `fixed_s` besides its forward and verifies by Algorithm 1."""
         values = ranked_candidates(pool)[0]
@@ -204,25 +209,20 @@ class DraftingGate:
 
     @staticmethod
     def ranked_rate(
-        values: torch.Tensor, rows: int, num_requests: int, forward_sps: SpsFn, fixed_s: float
+        survival: np.ndarray, rows: int, num_requests: int, forward_sps: SpsFn, fixed_s: float
     ) -> float:
-        """`expected_rate` from the pool's ranked survival values (`ranked_candidates`) and row count.
-
-        Algorithm 1's objective and early stop (`expected_throughputs`, `early_stop`) over a few
-        hundred candidates, in NumPy: the gate runs on every step, skipped ones too, and as a
-        dozen small torch ops a skipped step's call took 270 us instead of 127 on a 2-core CPU."""
-        survival = values.numpy()
+        """`expected_rate` from the pool's ranked survival values (`ranked_candidates`) and row count:
+        Algorithm 1's objective and early stop (`expected_throughputs`, `early_stop`) with rows
+        weighted R / rows, so batch sizes are fractional."""
         weight = num_requests / rows
         batch = num_requests + weight * np.arange(survival.size + 1)
         low = np.floor(batch).astype(np.int64)
         # One lookup over every integer batch size the candidates reach; fractional batch sizes
         # interpolate the forward time between the integers around them.
-        forward_s = 1.0 / forward_sps(torch.arange(int(low[-1]) + 2)).to(torch.float64).numpy()
+        forward_s = 1.0 / forward_sps(np.arange(int(low[-1]) + 2))
         frac = batch - low
         step_s = fixed_s + (1 - frac) * forward_s[low] + frac * forward_s[low + 1]
         tau = num_requests + weight * np.concatenate(([0.0], np.cumsum(survival)))
         theta = tau / step_s
         theta[1:][survival <= 0] = -np.inf
-        rising = theta[1:] > theta[:-1]
-        admitted = rising.size if rising.all() else int(rising.argmin())
-        return float(theta[admitted])
+        return float(theta[early_stop(theta)])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
 import torch
 
 from dspark.engine.outputs import StepStats
@@ -88,7 +89,7 @@ class _SpsPolicy(ConfidencePolicy):
             self._longest = int(lengths.max())
         return lengths
 
-    def _prepare(self, confidences: torch.Tensor) -> torch.Tensor:
+    def _prepare(self, confidences: np.ndarray) -> np.ndarray:
         confidences = self.acceptance.apply(confidences)
         self.gate.remember(confidences)
         return confidences
@@ -121,7 +122,7 @@ class DSparkPolicy(_SpsPolicy):
 
     name = "dspark"
 
-    def _schedule(self, confidences: torch.Tensor) -> torch.Tensor:
+    def _schedule(self, confidences: np.ndarray) -> torch.Tensor:
         return schedule_prefix_greedy(confidences, self._sps_fn)
 
 
@@ -154,7 +155,7 @@ class DSparkAsyncPolicy(_SpsPolicy):
         """Forget the history (e.g. after the engine drained every request)."""
         self._targets.clear()
 
-    def _schedule(self, confidences: torch.Tensor) -> torch.Tensor:
+    def _schedule(self, confidences: np.ndarray) -> torch.Tensor:
         num_requests = confidences.shape[0]
         target = self._targets[0] if len(self._targets) == self.lag else None
         # The capacity this step hands to step t+2 (computed now, consumed later: ZOS-friendly).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from dspark.policies.confidence import ConfidencePolicy
@@ -20,5 +21,5 @@ class ThresholdPolicy(ConfidencePolicy):
         self.threshold = threshold
         self.name = f"threshold:{threshold:g}"
 
-    def _schedule(self, confidences: torch.Tensor) -> torch.Tensor:
+    def _schedule(self, confidences: np.ndarray) -> torch.Tensor:
         return leading_at_least(confidences, self.threshold)

@@ -11,10 +11,11 @@ from __future__ import annotations
 import bisect
 import math
 
+import numpy as np
 import torch
 
 from dspark.profiling.interpolation import interp_flat
-from dspark.profiling.sps_profile import SpsPoint, SpsProfile
+from dspark.profiling.sps_profile import SpsPoint, SpsProfile, sps_of_array_or_float
 
 
 class OnlineSps:
@@ -113,10 +114,10 @@ class OnlineSps:
         w = (b - grid[left]) / (grid[right] - grid[left])
         return [(i, s) for i, s in ((left, 1.0 - w), (right, w)) if s > 0]
 
-    def sps(self, batch_tokens: torch.Tensor | float) -> torch.Tensor | float:
-        """Refined steps per second (float64 tensor for a tensor input, like `SpsProfile.sps`)."""
+    def sps(self, batch_tokens: torch.Tensor | np.ndarray | float) -> torch.Tensor | np.ndarray | float:
+        """Refined steps per second (the input's kind back, like `SpsProfile.sps`)."""
         if not isinstance(batch_tokens, torch.Tensor):
-            return float(self.sps(torch.tensor([float(batch_tokens)], dtype=torch.float64))[0])
+            return sps_of_array_or_float(self.sps, batch_tokens)
         if self._log_corr_t is None:
             self._log_corr_t = torch.tensor(self._log_corr, dtype=torch.float64)
         correction = (interp_flat(batch_tokens, self._grid_t, self._log_corr_t) + self._log_drift).exp()

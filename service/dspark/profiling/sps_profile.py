@@ -29,7 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from dspark.models.registry import dspark_home
 
-if TYPE_CHECKING:  # torch is imported on first lookup: the operator reads profiles without it
+if TYPE_CHECKING:  # torch and NumPy are imported on first lookup: the operator reads profiles without them
+    import numpy as np
     import torch
 
 Dtype = Literal["bfloat16", "float32"]
@@ -45,10 +46,10 @@ class SpsCurve(Protocol):
     def sps(self, batch_tokens: torch.Tensor) -> torch.Tensor: ...
 
 
-def table_lookup(curve: SpsCurve) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A fast SPS function for integer batch sizes, as the scheduler sees the curve: a dense per-B
-    table (`table(max_b)`) when the curve keeps one, else its `sps`. The scheduler calls this
-    every step.
+def table_lookup(curve: SpsCurve) -> Callable[[np.ndarray], np.ndarray]:
+    """A fast SPS function for integer batch sizes (NumPy in and out), as the scheduler sees the
+    curve: a dense per-B table (`table(max_b)`) when the curve keeps one, else its `sps`. The
+    scheduler calls this every step.
 
     A table is read through its right envelope, SPS(B) = max over B' >= B of the measured
     SPS(B'): no forward is charged more than a larger one. On a shared CPU an inversion (B = 7
@@ -56,19 +57,32 @@ def table_lookup(curve: SpsCurve) -> Callable[[torch.Tensor], torch.Tensor]:
     a false cliff; where one is real a forward padded to B' would run at SPS(B'). Real cliffs,
     where the rate drops as B grows, stay as measured; so do the profile file and its plot.
     """
+    import numpy as np
+
     table_fn = getattr(curve, "table", None)
     if table_fn is None:
-        return curve.sps
+        return lambda batch_tokens: np.asarray(curve.sps(np.asarray(batch_tokens, dtype=np.float64)))
     seen = envelope = None
 
-    def lookup(batch_tokens: torch.Tensor) -> torch.Tensor:
+    def lookup(batch_tokens: np.ndarray) -> np.ndarray:
         nonlocal seen, envelope
-        table = table_fn(int(batch_tokens.max()))
+        batch = np.asarray(batch_tokens).astype(np.int64)
+        table = table_fn(int(batch.max()))
         if table is not seen:  # a refined curve rebuilds its table now and then
-            seen, envelope = table, table.flip(0).cummax(0).values.flip(0)
-        return envelope.to(batch_tokens.device)[batch_tokens.long()]
+            seen, envelope = table, np.maximum.accumulate(table.numpy()[::-1])[::-1]
+        return envelope[batch]
 
     return lookup
+
+
+def sps_of_array_or_float(sps: Callable[[torch.Tensor], torch.Tensor], batch_tokens: np.ndarray | float):
+    """`sps` on a NumPy array (an array back) or a number (a float back)."""
+    import numpy as np
+    import torch
+
+    if isinstance(batch_tokens, np.ndarray):
+        return sps(torch.from_numpy(batch_tokens.astype(np.float64))).numpy()
+    return float(sps(torch.tensor([float(batch_tokens)], dtype=torch.float64))[0])
 
 
 class SpsPoint(BaseModel):
@@ -212,10 +226,13 @@ class SpsProfile(BaseModel):
     @overload
     def sps(self, batch_tokens: torch.Tensor) -> torch.Tensor: ...
     @overload
+    def sps(self, batch_tokens: np.ndarray) -> np.ndarray: ...
+    @overload
     def sps(self, batch_tokens: float) -> float: ...
 
-    def sps(self, batch_tokens: torch.Tensor | float) -> torch.Tensor | float:
-        """Steps per second for a forward of `batch_tokens` tokens (float64 tensor for a tensor).
+    def sps(self, batch_tokens: torch.Tensor | np.ndarray | float) -> torch.Tensor | np.ndarray | float:
+        """Steps per second for a forward of `batch_tokens` tokens (float64 tensor for a tensor,
+        array for an array).
 
         Linear between measured points, flat below the first. Beyond the last point the step
         time is assumed to keep growing linearly in B, with the steeper of the last segment's
@@ -227,7 +244,7 @@ class SpsProfile(BaseModel):
         from dspark.profiling.interpolation import interp_flat
 
         if not isinstance(batch_tokens, torch.Tensor):
-            return float(self.sps(torch.tensor([float(batch_tokens)], dtype=torch.float64))[0])
+            return sps_of_array_or_float(self.sps, batch_tokens)
         if self._xp is None or self._fp is None:
             self._xp = torch.tensor(self.batch_tokens(), dtype=torch.float64)
             self._fp = torch.tensor(self.steps_per_second(), dtype=torch.float64)
