@@ -46,7 +46,7 @@ def test_draft_cost_is_kept_per_horizon_and_interpolated_between_horizons() -> N
 
 
 def test_gate_drafts_the_narrower_horizon_when_the_last_position_does_not_pay() -> None:
-    gate = DraftingGate(memory_rows=16)
+    gate = DraftingGate(memory_rows=16, reuse_steps=1)  # every call judges afresh
     # Position 2 is almost never accepted and drafting it costs 2 ms more.
     gate.remember(torch.tensor([[0.9, 0.01]] * 16, dtype=torch.float64))
     gate.cost.observe(16, 0.0002, horizon=1)
@@ -62,12 +62,25 @@ def test_gate_drafts_the_narrower_horizon_when_the_last_position_does_not_pay() 
 
 
 def test_gate_drafts_a_horizon_wider_than_its_rows_when_drafting_pays_so_it_gets_judged() -> None:
-    gate = DraftingGate(memory_rows=16)
+    gate = DraftingGate(memory_rows=16, reuse_steps=1)
     gate.remember(torch.full((16, 2), 0.9, dtype=torch.float64))
     gate.cost.observe(16, 0.0002, horizon=2)
     assert gate.draft_horizon(16, FORWARD, 0.001, 0.001, [2, 3]) == 3
     gate.cost._by_horizon[16][2] = 0.05  # drafting does not pay at all
     assert gate.draft_horizon(16, FORWARD, 0.001, 0.001, [2, 3]) == 0
+
+
+def test_gate_reuses_a_horizons_expected_rate_for_reuse_steps_evaluations() -> None:
+    gate = DraftingGate(memory_rows=16, reuse_steps=3)
+    gate.remember(torch.full((16, 2), 0.9, dtype=torch.float64))
+    gate.cost.observe(16, 0.0002, horizon=2)
+    assert gate.draft_horizon(16, FORWARD, 0.001, 0.001, [2]) == 2
+    gate.cost._by_horizon[16][2] = 0.05  # drafting stops paying: seen at the third evaluation on
+    decisions = [gate.draft_horizon(16, FORWARD, 0.001, 0.001, [2]) for _ in range(4)]
+    assert decisions == [2, 2, 0, 0]
+    assert (
+        gate.draft_horizon(8, FORWARD, 0.001, 0.001, [2]) == 2
+    )  # another R: judged afresh (cost 0.0002 at R = 8)
 
 
 def test_gate_drafts_until_it_has_measured_costs_and_confidences() -> None:
@@ -135,7 +148,7 @@ def test_expected_rate_is_algorithm_1s_objective_on_the_pooled_rows() -> None:
 
 
 def test_gate_explores_after_a_run_of_skipped_steps() -> None:
-    gate = DraftingGate(explore_every=3, memory_rows=16)
+    gate = DraftingGate(explore_every=3, memory_rows=16, reuse_steps=1)
     gate.cost.observe(16, 0.01)
     gate.remember(torch.full((16, 7), 0.1, dtype=torch.float64))
     decisions = [gate.should_draft(16, FORWARD, 0.001, 0.001) for _ in range(25)]
