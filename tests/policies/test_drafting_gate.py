@@ -83,21 +83,6 @@ def test_gate_reuses_a_horizons_expected_rate_for_reuse_steps_evaluations() -> N
     )  # another R: judged afresh (cost 0.0002 at R = 8)
 
 
-def test_prompt_tokens_in_the_forward_make_drafting_and_verifying_relatively_cheaper() -> None:
-    """A step that also prefills a long prompt chunk runs a far longer forward: drafting and each
-    verified token cost the same seconds but a smaller share of it."""
-    gate = DraftingGate(memory_rows=16)
-    gate.remember(torch.full((16, 1), 0.3, dtype=torch.float64))
-    gate.cost.observe(16, 0.001, horizon=1)
-    assert gate.draft_horizon(16, FORWARD, 0.001, 0.001, [1]) == 0
-    assert gate.draft_horizon(16, FORWARD, 0.001, 0.001, [1], prefill_tokens=400) == 1
-    policy = DSparkPolicy(PROFILE, refine=False)
-    policy.gate.cost.observe(16, 0.001, horizon=7)
-    conf = torch.full((16, 7), 0.3, dtype=torch.float64)
-    plain, with_prompt = policy.schedule(conf, 7, 16), policy.schedule(conf, 7, 16, prefill_tokens=400)
-    assert int(with_prompt.sum()) > int(plain.sum())
-
-
 def test_gate_drafts_until_it_has_measured_costs_and_confidences() -> None:
     gate = DraftingGate()
     assert gate.should_draft(16, FORWARD, 0.001, 0.001)  # nothing measured

@@ -59,7 +59,7 @@ class GlobalArgmaxPolicy(VerifyPolicy):
     def __init__(self, profile: SpsProfile) -> None:
         self.profile = profile
 
-    def schedule(self, confidences, gamma, num_requests, prefill_tokens=0):
+    def schedule(self, confidences, gamma, num_requests):
         return schedule_global_argmax(confidences, self.profile.sps)
 
 

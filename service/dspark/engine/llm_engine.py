@@ -191,7 +191,7 @@ class LLMEngine:
             self.drafter.admit(request)
         if plan.empty:
             return []
-        draft = self._draft(plan.decodes, sum(c for _, c in plan.prefills))
+        draft = self._draft(plan.decodes)
         forward_start = time.perf_counter()
         forward = self.runner.run(plan, _draft_lists(draft), self.drafter.target_layers)
         forward_time = time.perf_counter() - forward_start
@@ -199,20 +199,18 @@ class LLMEngine:
         self._record(plan, draft, forward_time, time.perf_counter() - started)
         return outputs
 
-    def _draft(self, decodes: list[Request], prefill_tokens: int) -> Draft:
-        """Draft and schedule verify lengths; `prefill_tokens` share the forward (and its cost)."""
-        num = len(decodes)
-        horizon = self.policy.max_length(self.drafter.gamma, num, prefill_tokens=prefill_tokens) if num else 0
+    def _draft(self, decodes: list[Request]) -> Draft:
+        horizon = self.policy.max_length(self.drafter.gamma, len(decodes)) if decodes else 0
         t0 = time.perf_counter()  # after the policy's drafting decision: draft_time is drafting only
         if horizon == 0:  # nothing to decode, or the policy does not draft this step
-            empty = torch.zeros((num, 0), dtype=torch.int64, device=self.device)
-            return Draft(DraftBlock(empty, None), [0] * num)
+            empty = torch.zeros((len(decodes), 0), dtype=torch.int64, device=self.device)
+            return Draft(DraftBlock(empty, None), [0] * len(decodes))
         block = self.drafter.propose(decodes, self._sampling(decodes), horizon)
         t1 = time.perf_counter()
         width = min(horizon, block.tokens.shape[1])
         confidences = block.confidences[:, :width] if block.confidences is not None else None
         fallbacks = getattr(self.policy, "fallbacks", 0)
-        lengths = self.policy.schedule(confidences, width, num, prefill_tokens=prefill_tokens)
+        lengths = self.policy.schedule(confidences, width, len(decodes))
         self._stats.policy_fallback = getattr(self.policy, "fallbacks", 0) > fallbacks
         limit = [r.remaining_tokens - 1 for r in decodes]  # the bonus token must fit in max_tokens
         lengths = lengths.cpu().numpy()

@@ -15,13 +15,10 @@ class VerifyPolicy(ABC):
     name: str = "base"
 
     @abstractmethod
-    def schedule(
-        self, confidences: torch.Tensor | None, gamma: int, num_requests: int, prefill_tokens: int = 0
-    ) -> torch.Tensor:
-        """Return verify lengths [R] int64; `confidences` is [R, gamma] or None; `prefill_tokens`:
-        the prompt tokens the same forward carries besides the R decode rows."""
+    def schedule(self, confidences: torch.Tensor | None, gamma: int, num_requests: int) -> torch.Tensor:
+        """Return verify lengths [R] int64; `confidences` is [R, gamma] or None."""
 
-    def max_length(self, gamma: int, num_requests: int = 1, prefill_tokens: int = 0) -> int:
+    def max_length(self, gamma: int, num_requests: int = 1) -> int:
         """The longest verify length this policy can choose this step for `num_requests` requests
         with a block of `gamma`: the engine drafts no further (and not at all when it is 0)."""
         return gamma

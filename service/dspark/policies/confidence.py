@@ -31,9 +31,7 @@ class ConfidencePolicy(VerifyPolicy):
         self.fallbacks = 0
         self._in_fallback = False
 
-    def schedule(
-        self, confidences: torch.Tensor | None, gamma: int, num_requests: int, prefill_tokens: int = 0
-    ) -> torch.Tensor:
+    def schedule(self, confidences: torch.Tensor | None, gamma: int, num_requests: int) -> torch.Tensor:
         if confidences is not None and tuple(confidences.shape) != (num_requests, gamma):
             raise ValueError(
                 f"{self.name}: confidences have shape {tuple(confidences.shape)}, expected {(num_requests, gamma)}"

@@ -70,10 +70,6 @@ def _padded(rows: np.ndarray, width: int) -> np.ndarray:
     return padded
 
 
-def _shifted(forward_sps: SpsFn, tokens: int) -> SpsFn:
-    return lambda batch: forward_sps(np.asarray(batch) + tokens)
-
-
 def _interp(table: dict[int, float], x: int) -> float:
     """Linear between the known keys around x, flat beyond both ends (plain Python: a handful of
     keys, called on the hot path)."""
@@ -106,9 +102,7 @@ class DraftingGate:
     8x), so a load where drafting clearly does not pay spends little on checking. An exploration
     drafts steps enough to renew a quarter of the pool: at one request a single step renews 1 of 64
     rows, too little to ever outvote rows from before the load changed (a chat user switching
-    to math stayed undrafted). A step that prefills prompt chunks is judged at its whole batch
-    (`prefill_tokens`); drafting there does not reset the exploration interval, since it says
-    nothing about decode-only steps.
+    to math stayed undrafted).
 
     A horizon's expected rate at R requests is reused for `reuse_steps` evaluations (and renewed
     after an exploration): between two evaluations the pool changes by R of its 64 rows and the
@@ -126,9 +120,7 @@ class DraftingGate:
         self.reuse_steps = reuse_steps
         self._shapes: deque[tuple[int, int]] = deque()  # (rows, width) per remembered step, oldest first
         self._pool = np.zeros((0, 0))  # their rows, zero-padded to the widest
-        self._rates: dict[
-            tuple[int, int, int], tuple[int, float]
-        ] = {}  # (R, h, prefill) -> (evaluation, rate)
+        self._rates: dict[tuple[int, int], tuple[int, float]] = {}  # (R, horizon) -> (evaluation, rate)
         self._evaluations = 0
         self._skipped_in_a_row = 0
         self._explore_interval = explore_every
@@ -170,13 +162,11 @@ class DraftingGate:
         other_s: float,
         plain_other_s: float | None,
         horizons: Sequence[int],
-        prefill_tokens: int = 0,
     ) -> int:
         """The horizon among `horizons` with the highest expected rate, or 0 when no horizon beats
         not drafting by `min_gain`. `other_s`: the rest of a drafted step besides drafting and the
         forward; `plain_other_s`: the same for an undrafted step, None until one is measured (the
-        gate then skips one step to measure it); `prefill_tokens`: prompt tokens the forward
-        carries besides the decode rows. Forced drafting takes the widest horizon."""
+        gate then skips one step to measure it). Forced drafting takes the widest horizon."""
         widest = max(horizons)
         if num_requests < 1 or self.cost.seconds(num_requests, widest) is None:
             return widest
@@ -193,8 +183,6 @@ class DraftingGate:
         if plain_other_s is None:
             self.skipped_steps += 1
             return 0
-        if prefill_tokens:  # the forward's rate is the whole batch's, prompt chunks included
-            forward_sps = _shifted(forward_sps, prefill_tokens)
         without = num_requests / (plain_other_s + 1.0 / float(forward_sps(np.array([num_requests]))[0]))
         self._evaluations += 1
         if explored:
@@ -203,12 +191,11 @@ class DraftingGate:
         width = self._pool.shape[1]
         best, best_rate = 0, without * (1.0 + self.min_gain)
         for h in sorted({min(h, width) for h in horizons}):  # ties go to the cheaper, narrower one
-            rate = self._rate(num_requests, h, forward_sps, other_s, prefill_tokens)
+            rate = self._rate(num_requests, h, forward_sps, other_s)
             if rate > best_rate:
                 best, best_rate = h, rate
-        if best and not prefill_tokens:  # a prompt step's cheap drafting says nothing of decode steps
-            self._skipped_in_a_row, self._explore_interval = 0, self.explore_every
         if best:
+            self._skipped_in_a_row, self._explore_interval = 0, self.explore_every
             # A wider horizon offered than the rows cover: draft it, so its positions get judged.
             return widest if widest > width else best
         if explored:
@@ -217,18 +204,15 @@ class DraftingGate:
         self.skipped_steps += 1
         return 0
 
-    def _rate(
-        self, num_requests: int, horizon: int, forward_sps: SpsFn, other_s: float, prefill_tokens: int
-    ) -> float:
+    def _rate(self, num_requests: int, horizon: int, forward_sps: SpsFn, other_s: float) -> float:
         """Expected rate drafting `horizon` positions for R requests (reused for `reuse_steps`)."""
-        key = (num_requests, horizon, prefill_tokens)
-        cached = self._rates.get(key)
+        cached = self._rates.get((num_requests, horizon))
         if cached is not None and self._evaluations - cached[0] < self.reuse_steps:
             return cached[1]
         values = ranked_candidates(self._pool[:, :horizon])[0]
         fixed_s = other_s + self.cost.seconds(num_requests, horizon)
         rate = self.ranked_rate(values, self._pool.shape[0], num_requests, forward_sps, fixed_s)
-        self._rates[key] = (self._evaluations, rate)
+        self._rates[num_requests, horizon] = (self._evaluations, rate)
         return rate
 
     def pool(self) -> np.ndarray:

@@ -38,12 +38,6 @@ class _SpsPolicy(ConfidencePolicy):
     schedules stay lossless; the same figures let the `DraftingGate` skip drafting on steps
     that are faster without it.
 
-    A step that also prefills prompt chunks runs one forward over all its tokens, so its rates
-    are looked up at B = prefill tokens + R + verified: drafting and each verified token then
-    cost the same seconds but a smaller share of a much longer step (on the development CPU,
-    at 8 users, steps with prefills returned 9% more tokens per second with DSpark than without
-    drafting once the policies saw their prompt tokens).
-
     Decisions run in drift-free time units: measured times are divided by the SPS curve's drift
     (`OnlineSps.drift`) when observed, and forward rates from the curve multiplied by it when
     looked up. A common factor changes no comparison, and a drafting cost measured while the
@@ -66,11 +60,11 @@ class _SpsPolicy(ConfidencePolicy):
             self._forward_sps = lambda b: lookup(b) * curve.drift()
         self._longest: int | None = None  # longest verify length of the previous drafted step
 
-    def _step_rate(self, draft_s: float, prefill_tokens: int = 0):
+    def _step_rate(self, draft_s: float):
         fixed_s = self.other_s + draft_s
-        return lambda b: 1.0 / (fixed_s + 1.0 / self._forward_sps(b + prefill_tokens))
+        return lambda b: 1.0 / (fixed_s + 1.0 / self._forward_sps(b))
 
-    def max_length(self, gamma: int, num_requests: int = 1, prefill_tokens: int = 0) -> int:
+    def max_length(self, gamma: int, num_requests: int = 1) -> int:
         """0 when the gate finds this step faster without drafting; else the horizon h or h - 1,
         whichever the gate expects to be faster, where h is one past the previous step's longest
         verify length (all of gamma at first): drafting what the scheduler will not verify only
@@ -83,16 +77,13 @@ class _SpsPolicy(ConfidencePolicy):
             self.other_s,
             self.plain_other_s,
             range(max(1, widest - 1), widest + 1),
-            prefill_tokens,
         )
         if not horizon:
             self._on_skip()
         return horizon
 
-    def schedule(
-        self, confidences: torch.Tensor | None, gamma: int, num_requests: int, prefill_tokens: int = 0
-    ) -> torch.Tensor:
-        self._sps_fn = self._step_rate(self.gate.cost.seconds(num_requests, gamma) or 0.0, prefill_tokens)
+    def schedule(self, confidences: torch.Tensor | None, gamma: int, num_requests: int) -> torch.Tensor:
+        self._sps_fn = self._step_rate(self.gate.cost.seconds(num_requests, gamma) or 0.0)
         lengths = super().schedule(confidences, gamma, num_requests)
         if num_requests:
             self._longest = int(lengths.max())

@@ -16,10 +16,8 @@ class StaticPolicy(VerifyPolicy):
         self.length = length
         self.name = "full" if length is None else ("none" if length == 0 else f"static:{length}")
 
-    def max_length(self, gamma: int, num_requests: int = 1, prefill_tokens: int = 0) -> int:
+    def max_length(self, gamma: int, num_requests: int = 1) -> int:
         return gamma if self.length is None else min(self.length, gamma)
 
-    def schedule(
-        self, confidences: torch.Tensor | None, gamma: int, num_requests: int, prefill_tokens: int = 0
-    ) -> torch.Tensor:
+    def schedule(self, confidences: torch.Tensor | None, gamma: int, num_requests: int) -> torch.Tensor:
         return torch.full((num_requests,), self.max_length(gamma), dtype=torch.int64)
