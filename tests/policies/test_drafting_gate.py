@@ -78,9 +78,8 @@ def test_gate_reuses_a_horizons_expected_rate_for_reuse_steps_evaluations() -> N
     gate.cost._by_horizon[16][2] = 0.05  # drafting stops paying: seen at the third evaluation on
     decisions = [gate.draft_horizon(16, FORWARD, 0.001, 0.001, [2]) for _ in range(4)]
     assert decisions == [2, 2, 0, 0]
-    assert (
-        gate.draft_horizon(8, FORWARD, 0.001, 0.001, [2]) == 2
-    )  # another R: judged afresh (cost 0.0002 at R = 8)
+    # Another R is judged afresh (drafting costs 0.0002 s at R = 8).
+    assert gate.draft_horizon(8, FORWARD, 0.001, 0.001, [2]) == 2
 
 
 def test_gate_drafts_until_it_has_measured_costs_and_confidences() -> None:

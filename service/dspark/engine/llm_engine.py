@@ -31,7 +31,7 @@ from dspark.models.loader import load_target_model
 from dspark.models.pull import resolve_target
 from dspark.policies.base import VerifyPolicy
 from dspark.policies.factory import build_policy
-from dspark.policies.prefix_scheduler import survival_probabilities
+from dspark.policies.prefix_scheduler import host_array, survival_probabilities
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +208,8 @@ class LLMEngine:
         block = self.drafter.propose(decodes, self._sampling(decodes), horizon)
         t1 = time.perf_counter()
         width = min(horizon, block.tokens.shape[1])
-        confidences = block.confidences[:, :width] if block.confidences is not None else None
+        # On the host once, for the policy and the statistics below (one device copy per step).
+        confidences = host_array(block.confidences[:, :width]) if block.confidences is not None else None
         fallbacks = getattr(self.policy, "fallbacks", 0)
         lengths = self.policy.schedule(confidences, width, len(decodes))
         self._stats.policy_fallback = getattr(self.policy, "fallbacks", 0) > fallbacks

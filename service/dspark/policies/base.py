@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+import numpy as np
 import torch
 
 from dspark.engine.outputs import StepStats
@@ -15,8 +16,11 @@ class VerifyPolicy(ABC):
     name: str = "base"
 
     @abstractmethod
-    def schedule(self, confidences: torch.Tensor | None, gamma: int, num_requests: int) -> torch.Tensor:
-        """Return verify lengths [R] int64; `confidences` is [R, gamma] or None."""
+    def schedule(
+        self, confidences: torch.Tensor | np.ndarray | None, gamma: int, num_requests: int
+    ) -> torch.Tensor:
+        """Return verify lengths [R] int64; `confidences` is [R, gamma] (the engine passes a
+        float64 host array) or None."""
 
     def max_length(self, gamma: int, num_requests: int = 1) -> int:
         """The longest verify length this policy can choose this step for `num_requests` requests

@@ -22,16 +22,18 @@ class ConfidencePolicy(VerifyPolicy):
     drafter did. `fallbacks` counts such steps for the metrics layer; one warning is logged
     per burst of consecutive fallback steps.
 
-    Scheduling runs on the host in NumPy (the confidences are copied there once; R x gamma is
-    tiny and the engine needs the lengths on the host to lay out the batch): lengths come back
-    as a CPU int64 tensor, like `StaticPolicy`'s.
+    Scheduling runs on the host in NumPy (the engine hands the confidences over as a host array,
+    a tensor is copied there once; R x gamma is tiny and the engine needs the lengths on the host
+    to lay out the batch): lengths come back as a CPU int64 tensor, like `StaticPolicy`'s.
     """
 
     def __init__(self) -> None:
         self.fallbacks = 0
         self._in_fallback = False
 
-    def schedule(self, confidences: torch.Tensor | None, gamma: int, num_requests: int) -> torch.Tensor:
+    def schedule(
+        self, confidences: torch.Tensor | np.ndarray | None, gamma: int, num_requests: int
+    ) -> torch.Tensor:
         if confidences is not None and tuple(confidences.shape) != (num_requests, gamma):
             raise ValueError(
                 f"{self.name}: confidences have shape {tuple(confidences.shape)}, expected {(num_requests, gamma)}"

@@ -19,7 +19,13 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from dspark.policies.prefix_scheduler import SpsFn, early_stop, host_array, ranked_candidates
+from dspark.policies.prefix_scheduler import (
+    SpsFn,
+    early_stop,
+    expected_throughputs,
+    host_array,
+    ranked_candidates,
+)
 
 
 def ewma(old: float | None, new: float, alpha: float) -> float:
@@ -231,17 +237,14 @@ class DraftingGate:
         survival: np.ndarray, rows: int, num_requests: int, forward_sps: SpsFn, fixed_s: float
     ) -> float:
         """`expected_rate` from the pool's ranked survival values (`ranked_candidates`) and row count:
-        Algorithm 1's objective and early stop (`expected_throughputs`, `early_stop`) with rows
-        weighted R / rows, so batch sizes are fractional."""
-        weight = num_requests / rows
-        batch = num_requests + weight * np.arange(survival.size + 1)
-        low = np.floor(batch).astype(np.int64)
-        # One lookup over every integer batch size the candidates reach; fractional batch sizes
-        # interpolate the forward time between the integers around them.
-        forward_s = 1.0 / forward_sps(np.arange(int(low[-1]) + 2))
-        frac = batch - low
-        step_s = fixed_s + (1 - frac) * forward_s[low] + frac * forward_s[low + 1]
-        tau = num_requests + weight * np.concatenate(([0.0], np.cumsum(survival)))
-        theta = tau / step_s
-        theta[1:][survival <= 0] = -np.inf
+        Algorithm 1's objective and early stop with rows weighted R / rows, so batch sizes are
+        fractional and the forward time is interpolated between the integers around them."""
+
+        def step_rate(batch: np.ndarray) -> np.ndarray:
+            low = np.floor(batch).astype(np.int64)
+            forward_s = 1.0 / forward_sps(np.arange(int(low[-1]) + 2))  # one lookup, every B reached
+            frac = batch - low
+            return 1.0 / (fixed_s + (1 - frac) * forward_s[low] + frac * forward_s[low + 1])
+
+        theta = expected_throughputs(survival, num_requests, step_rate, weight=num_requests / rows)
         return float(theta[early_stop(theta)])

@@ -82,7 +82,9 @@ class _SpsPolicy(ConfidencePolicy):
             self._on_skip()
         return horizon
 
-    def schedule(self, confidences: torch.Tensor | None, gamma: int, num_requests: int) -> torch.Tensor:
+    def schedule(
+        self, confidences: torch.Tensor | np.ndarray | None, gamma: int, num_requests: int
+    ) -> torch.Tensor:
         self._sps_fn = self._step_rate(self.gate.cost.seconds(num_requests, gamma) or 0.0)
         lengths = super().schedule(confidences, gamma, num_requests)
         if num_requests:
