@@ -115,6 +115,7 @@ class EngineLoop:
         except Exception as e:  # the engine is unusable: fail every caller rather than hang them
             log.exception("engine loop crashed")
             self.fatal_error = f"engine failure: {e}"
+            self._stopping.set()  # before callers hear of it: a caller that retries must see it dead
             self._fail_all(self.fatal_error)
         finally:
             self._stopping.set()
