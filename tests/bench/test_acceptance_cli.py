@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
 from click.testing import CliRunner
+from dspark.bench import serve
 from dspark.bench.serve import output_lengths
 from dspark.cli import main
 from dspark.drafters.checkpoint import build_model, save_draft_model
 from dspark.drafters.config import DraftConfig
+from dspark.engine.outputs import RequestOutput, StepStats
 from dspark.engine.sampling_params import SamplingParams
 
 from tests.conftest import write_tiny_model
@@ -110,14 +113,14 @@ def test_bench_serve_cli_runs_policies_in_rounds(tiny_pair, tmp_path, monkeypatc
     monkeypatch.setenv("DSPARK_HOME", str(tmp_path / "home"))  # the SPS profile is measured here
     out = tmp_path / "serve"
     args = ["bench", "serve", "--target", str(target), "--drafter", str(drafter), "--device", "cpu"]
-    args += ["--dtype", "float32", "--policies", "none,static:1,dspark", "--concurrency", "1,2"]
+    args += ["--dtype", "float32", "--policies", "none,static:1,dspark,oracle", "--concurrency", "1,2"]
     args += ["--requests", "4", "--rounds", "2", "--max-tokens", "6", "--domains", "code"]
     result = CliRunner().invoke(main, [*args, "--output-dir", str(out)])
     assert result.exit_code == 0, result.output
     report = json.loads((out / "bench-serve.json").read_text())
     points = report["points"]
     assert [(p["concurrency"], p["policy"]) for p in points] == [
-        (c, n) for c in (1, 2) for n in ("none", "static:1", "dspark")
+        (c, n) for c in (1, 2) for n in ("none", "static:1", "dspark", "oracle")
     ]
     lengths = output_lengths(6, 0.5)  # the default spread: 3 to 9 tokens, the same for every policy
     for p in points:
@@ -131,6 +134,7 @@ def test_bench_serve_cli_runs_policies_in_rounds(tiny_pair, tmp_path, monkeypatc
     levels = report["summary"]["per_level"]
     assert [row["concurrency"] for row in levels] == [1, 2]
     assert all(row["best_fixed"] in ("none", "static:1") and "dspark_vs_best_fixed" in row for row in levels)
+    assert all("oracle_vs_static:1" in row for row in levels)  # the bound is reported, not a fixed policy
     assert report["meta"]["rounds"] == 2
     assert (out / "frontier.png").stat().st_size > 0 and (out / "verify-budget.png").stat().st_size > 0
 
@@ -145,6 +149,15 @@ def test_output_lengths_spread_evenly_around_the_mean():
         output_lengths(64, 1.0)
 
 
+def test_bench_serve_oracle_needs_greedy_decoding(tiny_pair, tmp_path):
+    target, drafter = tiny_pair
+    args = ["bench", "serve", "--target", str(target), "--drafter", str(drafter), "--device", "cpu"]
+    args += ["--policies", "none,oracle", "--temperature", "0.7", "--output-dir", str(tmp_path / "serve")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and "oracle policy needs --temperature 0" in result.output
+    assert not (tmp_path / "serve").exists()
+
+
 def test_bench_serve_refuses_outputs_longer_than_the_context(tiny_pair, tmp_path):
     target, drafter = tiny_pair
     args = ["bench", "serve", "--target", str(target), "--drafter", str(drafter), "--device", "cpu"]
@@ -156,43 +169,53 @@ def test_bench_serve_refuses_outputs_longer_than_the_context(tiny_pair, tmp_path
     assert not (tmp_path / "serve").exists()
 
 
+class _ClockedEngine:
+    """Takes `step_s` seconds of a fake clock a step (`untimed_s` of them in unclocked probing),
+    one token per request per step, 3 tokens each."""
+
+    def __init__(self, now: list[float], name: str, step_s: float, probe_s: float = 0.0) -> None:
+        self.now, self.policy, self.step_s, self.probe_s = now, SimpleNamespace(name=name), step_s, probe_s
+        self.requests, self.last_step_stats = {}, StepStats()
+        if probe_s:
+            self.untimed_s = 0.0
+
+    def add_request(self, prompt, params, request_id):
+        assert request_id not in self.requests
+        self.requests[request_id] = SimpleNamespace(
+            request_id=request_id, output_token_ids=[], stats=SimpleNamespace(rounds=0, tau=0.0)
+        )
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self):
+        self.now[0] += self.step_s
+        if self.probe_s:
+            self.untimed_s += self.probe_s
+        outputs = []
+        for rid, r in list(self.requests.items()):
+            r.output_token_ids.append(1)
+            done = len(r.output_token_ids) == 3
+            outputs.append(RequestOutput(rid, [1], "", finished=done))
+            if done:
+                del self.requests[rid]
+        return outputs
+
+
 def test_bench_serve_steps_the_policies_in_lockstep_on_their_own_clocks(monkeypatch):
     """Loops take engine steps in turn (order rotating), each charged only its own seconds: a slow
     policy's throughput and per-user speed are not diluted by the others' steps, and ids are unique."""
-    from types import SimpleNamespace
-
-    from dspark.bench import serve
-    from dspark.engine.outputs import RequestOutput, StepStats
-
     now = [0.0]
     monkeypatch.setattr(serve.time, "perf_counter", lambda: now[0])
     order = []
 
-    class Engine:
+    class Engine(_ClockedEngine):
         def __init__(self, name: str, step_s: float) -> None:
-            self.policy = SimpleNamespace(name=name)
-            self.step_s, self.requests, self.last_step_stats = step_s, {}, StepStats()
+            super().__init__(now, name, step_s)
 
-        def add_request(self, prompt, params, request_id):
-            assert request_id not in self.requests
-            self.requests[request_id] = SimpleNamespace(
-                request_id=request_id, output_token_ids=[], stats=SimpleNamespace(rounds=0, tau=0.0)
-            )
-
-        def has_unfinished_requests(self) -> bool:
-            return bool(self.requests)
-
-        def step(self):  # one token per request per step, 3 tokens each
+        def step(self):
             order.append(self.policy.name)
-            now[0] += self.step_s
-            outputs = []
-            for rid, r in list(self.requests.items()):
-                r.output_token_ids.append(1)
-                done = len(r.output_token_ids) == 3
-                outputs.append(RequestOutput(rid, [1], "", finished=done))
-                if done:
-                    del self.requests[rid]
-            return outputs
+            return super().step()
 
     params = SamplingParams(max_tokens=3)
     engines = [Engine("fast", 0.01), Engine("slow", 0.03)]
@@ -204,3 +227,17 @@ def test_bench_serve_steps_the_policies_in_lockstep_on_their_own_clocks(monkeypa
     assert fast.aggregate_tokens_per_s == pytest.approx(3 * slow.aggregate_tokens_per_s)
     assert fast.per_user_p50 == pytest.approx(2 / 0.02) and slow.per_user_p50 == pytest.approx(2 / 0.06)
     assert fast.ttft_p50_s == pytest.approx(0.01) and slow.ttft_p50_s == pytest.approx(0.03)
+
+
+def test_bench_serve_leaves_the_oracles_probing_off_its_clock(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr(serve.time, "perf_counter", lambda: now[0])
+    engines = [_ClockedEngine(now, "none", 0.01), _ClockedEngine(now, "oracle", 0.03, probe_s=0.02)]
+    loops = [
+        serve.ClosedLoop(e, [[1]], 2, 4, SamplingParams(max_tokens=3), id_prefix=e.policy.name)
+        for e in engines
+    ]
+    plain, oracle = serve.run_lockstep(loops)
+    assert oracle.seconds == pytest.approx(plain.seconds) == pytest.approx(6 * 0.01)
+    assert oracle.per_user_p50 == pytest.approx(plain.per_user_p50)
+    assert engines[1].untimed_s == pytest.approx(6 * 0.02)

@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
+from dspark.bench.oracle import ORACLE, OracleEngine
 from dspark.engine.llm_engine import LLMEngine
 from dspark.engine.request import Request
 from dspark.engine.sampling_params import SamplingParams
@@ -108,7 +109,9 @@ class ClosedLoop:
             self.clock += time.perf_counter() - started
             return
         engine = self.engine
+        untimed = getattr(engine, "untimed_s", 0.0)  # the oracle's probing forwards
         outputs = engine.step()
+        started += getattr(engine, "untimed_s", 0.0) - untimed
         now = self.clock + time.perf_counter() - started
         stats = engine.last_step_stats
         self._budgets.extend(stats.verify_budgets)
@@ -208,16 +211,22 @@ def run_serve_bench(
     policy, and reports a policy over all its rounds. A policy object lives through its level's
     rounds (what it learned carries over, as in serving), after an unmeasured warm-up of one
     wave of `concurrency` requests: the steady state of a running server, not a cold start.
+    The `oracle` policy (greedy only, `dspark.bench.oracle`) is a bound to read the others against.
     """
+    if ORACLE in policies and not params.greedy:
+        raise ValueError("the oracle policy needs greedy decoding (temperature 0)")
     points = []
     for c in concurrencies:
-        verify = {spec: build_policy(spec, sps=sps) for spec in policies}
+        verify = {spec: build_policy(spec, sps=sps) for spec in policies if spec != ORACLE}
         runs: dict[str, list[LoadPoint]] = {spec: [] for spec in policies}
         per_run = max(math.ceil(requests_per_level / rounds), 2 * c)
         for r in range(rounds):
             loops = []
             for i, spec in enumerate(policies):
-                engine = base.sibling(base.drafter, verify[spec], max_num_seqs=c)
+                if spec == ORACLE:
+                    engine = OracleEngine.of(base, max_num_seqs=c)
+                else:
+                    engine = base.sibling(base.drafter, verify[spec], max_num_seqs=c)
                 if r == 0:  # unmeasured: the policy learns its costs and confidences at this load
                     run_closed_loop(engine, prompts, c, c, params, lengths)
                 loops.append(
@@ -276,7 +285,7 @@ def summarize(points: list[LoadPoint], baseline: str = "static:1") -> dict:
             (level[n] for n in fixed if n in level), key=lambda p: p.aggregate_tokens_per_s, default=None
         )
         row = {"concurrency": c, "best_fixed": best_fixed.policy if best_fixed else None}
-        for name in ("dspark", "dspark-async"):
+        for name in ("dspark", "dspark-async", ORACLE):
             if name in level and best_fixed:
                 row[f"{name}_vs_best_fixed"] = (
                     level[name].aggregate_tokens_per_s / best_fixed.aggregate_tokens_per_s

@@ -76,7 +76,13 @@ def decode(engine_config, domains, num_prompts, max_tokens, lookup, no_hf, repea
 
 @bench.command("serve")
 @engine_options
-@click.option("--policies", default="none,static:1,static:3,full,dspark,dspark-async", show_default=True)
+@click.option(
+    "--policies",
+    default="none,static:1,static:3,full,dspark,dspark-async",
+    show_default=True,
+    help="Verify policies to compare; add `oracle` (greedy only) for the bound of policies that draft: "
+    "it drafts every step and verifies exactly the drafted tokens the target accepts.",
+)
 @click.option("--concurrency", default="1,2,4,8,16,32,64", show_default=True, help="Comma-separated levels.")
 @click.option(
     "--requests",
@@ -132,6 +138,8 @@ def serve_bench(
 
     levels = sorted({int(c) for c in concurrency.split(",")})
     names = [p.strip() for p in policies.split(",") if p.strip()]
+    if "oracle" in names and temperature != 0:
+        raise click.BadParameter("the oracle policy needs --temperature 0", param_hint="--policies")
     cfg = engine_config.model_copy(update={"policy": "none", "max_num_seqs": max(levels)})
     base = build_engine(cfg)
     sps = acquire_profile(base) if any(needs_profile(n) for n in names) else None
