@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from dspark.engine.llm_engine import Draft, LLMEngine
+from dspark.engine.llm_engine import Draft, LLMEngine, draft_lists, verification_logits
 from dspark.engine.request import Request
 from dspark.engine.sampling_params import SamplingParams
 from dspark.engine.scheduler import StepPlan
@@ -72,15 +72,10 @@ class OracleEngine(LLMEngine):
         cached length only, which the step's forward overwrites (or leaves unread) as a rejection
         would."""
         width = max(draft.lengths)
-        rows = draft.block.tokens[:, :width].tolist()
-        forward = self.runner.run(
-            StepPlan(decodes=list(decodes)), [r[:n] for r, n in zip(rows, draft.lengths, strict=True)], ()
-        )
+        forward = self.runner.run(StepPlan(decodes=list(decodes)), draft_lists(draft), ())
         lengths = torch.tensor(draft.lengths, device=self.device)
-        starts = torch.tensor(forward.logit_starts, device=self.device)[:, None]
-        steps = torch.arange(width + 1, device=self.device)[None, :]
-        argmax = forward.output.logits[starts + torch.minimum(steps, lengths[:, None])].argmax(-1)
-        accepted, _ = verify_greedy(draft.block.tokens[:, :width], argmax, lengths)
+        logits = verification_logits(forward.output.logits, forward.logit_starts, lengths, width)
+        accepted, _ = verify_greedy(draft.block.tokens[:, :width], logits.argmax(-1), lengths)
         return accepted.tolist()
 
     def step(self):

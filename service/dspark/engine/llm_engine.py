@@ -193,7 +193,7 @@ class LLMEngine:
             return []
         draft = self._draft(plan.decodes)
         forward_start = time.perf_counter()
-        forward = self.runner.run(plan, _draft_lists(draft), self.drafter.target_layers)
+        forward = self.runner.run(plan, draft_lists(draft), self.drafter.target_layers)
         forward_time = time.perf_counter() - forward_start
         outputs = self._accept(plan, draft, forward)
         self._record(plan, draft, forward_time, time.perf_counter() - started)
@@ -237,10 +237,8 @@ class LLMEngine:
         decodes = plan.decodes
         if decodes:
             gamma_max = max(draft.lengths)
-            rows = torch.tensor(forward.logit_starts[: len(decodes)], device=self.device)[:, None]
-            steps = torch.arange(gamma_max + 1, device=self.device)[None, :]
             lengths = torch.tensor(draft.lengths, device=self.device)
-            row_logits = logits[rows + torch.minimum(steps, lengths[:, None])]  # [R, G + 1, V]
+            row_logits = verification_logits(logits, forward.logit_starts[: len(decodes)], lengths, gamma_max)
             num_accepted, next_tokens = self._verify(decodes, draft, row_logits, lengths, gamma_max)
             accepted, nexts = num_accepted.tolist(), next_tokens.tolist()
             drafted = draft.block.tokens[:, :gamma_max].tolist()
@@ -374,7 +372,17 @@ class LLMEngine:
         ]
 
 
-def _draft_lists(draft: Draft) -> list[list[int]]:
+def verification_logits(
+    logits: torch.Tensor, starts: list[int], lengths: torch.Tensor, width: int
+) -> torch.Tensor:
+    """[R, width + 1, V]: each decode's logits at its anchor and verified drafts (rows past its own
+    length repeat its last one)."""
+    rows = torch.tensor(starts, device=logits.device)[:, None]
+    steps = torch.arange(width + 1, device=logits.device)[None, :]
+    return logits[rows + torch.minimum(steps, lengths[:, None])]
+
+
+def draft_lists(draft: Draft) -> list[list[int]]:
     if not draft.lengths or max(draft.lengths) == 0:
         return [[] for _ in draft.lengths]
     rows = draft.block.tokens[:, : max(draft.lengths)].tolist()
