@@ -40,17 +40,7 @@ class OracleEngine(LLMEngine):
     @classmethod
     def of(cls, engine: LLMEngine, **config_updates) -> OracleEngine:
         """A sibling of `engine` (same weights and drafter, own KV cache) under the oracle."""
-        config = engine.config.model_copy(update={"policy": ORACLE, **config_updates})
-        return cls(
-            config,
-            engine.model,
-            engine.tokenizer,
-            engine.drafter,
-            OraclePolicy(),
-            engine.device,
-            engine.dtype,
-            engine.model_name,
-        )
+        return engine.sibling(engine.drafter, OraclePolicy(), engine_type=cls, **config_updates)
 
     def add_request(self, prompt_token_ids, params: SamplingParams, *args, **kwargs) -> str:
         if not params.greedy:
@@ -58,6 +48,7 @@ class OracleEngine(LLMEngine):
         return super().add_request(prompt_token_ids, params, *args, **kwargs)
 
     def _draft(self, decodes: list[Request]) -> Draft:
+        self._probe_s = 0.0  # `step` drafts on every step it records
         draft = super()._draft(decodes)
         if not decodes or max(draft.lengths) == 0:
             return draft
@@ -77,10 +68,6 @@ class OracleEngine(LLMEngine):
         logits = verification_logits(forward.output.logits, forward.logit_starts, lengths, width)
         accepted, _ = verify_greedy(draft.block.tokens[:, :width], logits.argmax(-1), lengths)
         return accepted.tolist()
-
-    def step(self):
-        self._probe_s = 0.0
-        return super().step()
 
     def _record(self, plan, draft, forward_time: float, step_time: float) -> None:
         super()._record(plan, draft, forward_time, step_time - self._probe_s)

@@ -129,6 +129,7 @@ def serve_bench(
     """Closed-loop load at rising concurrency: throughput, per-user speed, TTFT, verify budget per policy."""
     import json
 
+    from dspark.bench.oracle import ORACLE
     from dspark.bench.prompts import BUILTIN_PROMPTS
     from dspark.bench.serve import as_json, output_lengths, plot_serve_bench, run_serve_bench, summarize
     from dspark.commands.generate import encode_prompt
@@ -138,7 +139,7 @@ def serve_bench(
 
     levels = sorted({int(c) for c in concurrency.split(",")})
     names = [p.strip() for p in policies.split(",") if p.strip()]
-    if "oracle" in names and temperature != 0:
+    if ORACLE in names and temperature != 0:  # refused before the model loads
         raise click.BadParameter("the oracle policy needs --temperature 0", param_hint="--policies")
     cfg = engine_config.model_copy(update={"policy": "none", "max_num_seqs": max(levels)})
     base = build_engine(cfg)

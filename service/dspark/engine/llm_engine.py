@@ -117,12 +117,19 @@ class LLMEngine:
         )
         return cls(config, model, tokenizer, drafter, policy, device, dtype, config.target)
 
-    def sibling(self, drafter: Drafter, policy: VerifyPolicy, **config_updates) -> LLMEngine:
-        """Another engine over the same loaded weights (own KV cache), e.g. to compare drafters."""
+    def sibling(
+        self,
+        drafter: Drafter,
+        policy: VerifyPolicy,
+        engine_type: type[LLMEngine] | None = None,
+        **config_updates,
+    ) -> LLMEngine:
+        """Another engine (of `engine_type`, default LLMEngine) over the same loaded weights (own KV
+        cache), e.g. to compare drafters."""
         config = self.config.model_copy(
             update={"drafter": drafter.name, "policy": policy.name, **config_updates}
         )
-        return LLMEngine(
+        return (engine_type or LLMEngine)(
             config, self.model, self.tokenizer, drafter, policy, self.device, self.dtype, self.model_name
         )
 

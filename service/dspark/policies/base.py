@@ -9,6 +9,8 @@ import torch
 
 from dspark.engine.outputs import StepStats
 
+Confidences = torch.Tensor | np.ndarray | None  # [R, gamma]; the engine passes a float64 host array
+
 
 class VerifyPolicy(ABC):
     """Chooses l_r in [0, gamma] for each of R requests from the drafter's confidences."""
@@ -16,11 +18,8 @@ class VerifyPolicy(ABC):
     name: str = "base"
 
     @abstractmethod
-    def schedule(
-        self, confidences: torch.Tensor | np.ndarray | None, gamma: int, num_requests: int
-    ) -> torch.Tensor:
-        """Return verify lengths [R] int64; `confidences` is [R, gamma] (the engine passes a
-        float64 host array) or None."""
+    def schedule(self, confidences: Confidences, gamma: int, num_requests: int) -> torch.Tensor:
+        """Return verify lengths [R] int64 from `confidences` (None: the drafter gives none)."""
 
     def max_length(self, gamma: int, num_requests: int = 1) -> int:
         """The longest verify length this policy can choose this step for `num_requests` requests

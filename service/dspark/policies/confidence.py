@@ -8,7 +8,7 @@ from abc import abstractmethod
 import numpy as np
 import torch
 
-from dspark.policies.base import VerifyPolicy
+from dspark.policies.base import Confidences, VerifyPolicy
 from dspark.policies.prefix_scheduler import host_array
 
 logger = logging.getLogger(__name__)
@@ -31,9 +31,7 @@ class ConfidencePolicy(VerifyPolicy):
         self.fallbacks = 0
         self._in_fallback = False
 
-    def schedule(
-        self, confidences: torch.Tensor | np.ndarray | None, gamma: int, num_requests: int
-    ) -> torch.Tensor:
+    def schedule(self, confidences: Confidences, gamma: int, num_requests: int) -> torch.Tensor:
         if confidences is not None and tuple(confidences.shape) != (num_requests, gamma):
             raise ValueError(
                 f"{self.name}: confidences have shape {tuple(confidences.shape)}, expected {(num_requests, gamma)}"

@@ -9,6 +9,7 @@ import torch
 
 from dspark.engine.outputs import StepStats
 from dspark.policies.acceptance_scale import AcceptanceScale
+from dspark.policies.base import Confidences
 from dspark.policies.confidence import ConfidencePolicy
 from dspark.policies.drafting_gate import DraftingGate, ewma
 from dspark.policies.prefix_scheduler import schedule_global_argmax, schedule_prefix_greedy, topk_survival
@@ -82,9 +83,7 @@ class _SpsPolicy(ConfidencePolicy):
             self._on_skip()
         return horizon
 
-    def schedule(
-        self, confidences: torch.Tensor | np.ndarray | None, gamma: int, num_requests: int
-    ) -> torch.Tensor:
+    def schedule(self, confidences: Confidences, gamma: int, num_requests: int) -> torch.Tensor:
         self._sps_fn = self._step_rate(self.gate.cost.seconds(num_requests, gamma) or 0.0)
         lengths = super().schedule(confidences, gamma, num_requests)
         if num_requests:

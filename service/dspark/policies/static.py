@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from dspark.policies.base import VerifyPolicy
+from dspark.policies.base import Confidences, VerifyPolicy
 
 
 class StaticPolicy(VerifyPolicy):
@@ -20,7 +19,5 @@ class StaticPolicy(VerifyPolicy):
     def max_length(self, gamma: int, num_requests: int = 1) -> int:
         return gamma if self.length is None else min(self.length, gamma)
 
-    def schedule(
-        self, confidences: torch.Tensor | np.ndarray | None, gamma: int, num_requests: int
-    ) -> torch.Tensor:
+    def schedule(self, confidences: Confidences, gamma: int, num_requests: int) -> torch.Tensor:
         return torch.full((num_requests,), self.max_length(gamma), dtype=torch.int64)
