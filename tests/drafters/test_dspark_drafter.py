@@ -241,6 +241,10 @@ def test_reduced_drafting_vocabulary_is_the_masked_full_distribution(variant, ta
         with torch.no_grad():
             hidden = full(target_features(target, tokens[:-1])[None], torch.tensor([tokens[-1]]))
             logits, _ = full.teacher_forced(hidden, torch.tensor([tokens[-1]]), block.tokens)
+            rows, _ = restricted.teacher_forced(
+                hidden, torch.tensor([tokens[-1]]), block.tokens, draft_rows=True
+            )
+        torch.testing.assert_close(rows, logits[..., subset.sort().values])  # what training fits
         masked = logits.masked_fill(~allowed, float("-inf"))
         if temperature == 0:
             assert torch.equal(block.tokens, masked.argmax(-1))
@@ -341,6 +345,11 @@ def test_markov_head_over_the_drafting_vocabulary(variant, target, tmp_path):
         logits, _ = small.teacher_forced(hidden, outside, subset[None, :7])
         plain = small.lm_head(hidden)
     torch.testing.assert_close(logits[..., ~allowed], plain[..., ~allowed])
+    with torch.no_grad():  # training's objective: the same logits, over the drafting vocabulary only
+        rows, rows_conf = small.teacher_forced(hidden, outside, subset[None, :7], draft_rows=True)
+        _, full_conf = small.teacher_forced(hidden, outside, subset[None, :7])
+    torch.testing.assert_close(rows, logits[..., subset])
+    torch.testing.assert_close(rows_conf, full_conf)
     if variant != "rnn":  # the RNN's bias at k = 1 also depends on h_1
         torch.testing.assert_close(logits[:, 0], plain[:, 0])
     with pytest.raises(ValueError, match="its own drafting vocabulary"):

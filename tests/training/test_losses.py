@@ -72,6 +72,20 @@ def test_reduced_vocabulary_counts_target_mass_outside_it():
     assert terms.conf.item() == 0.0
 
 
+def test_vocabulary_columns_with_their_normaliser_equal_the_full_target_logits():
+    """Training passes p^t as the drafting vocabulary's target logits + the log normaliser of all V."""
+    draft, target, labels, valid, conf = _inputs(vocab=11)
+    d2t = torch.tensor([0, 2, 3, 5, 7, 8])
+    draft = draft[..., : len(d2t)]
+    full = block_loss(draft, target, labels, valid, position_weights(4), conf, d2t)
+    columns = block_loss(
+        draft, target[..., d2t], labels, valid, position_weights(4), conf, d2t,
+        target_log_norm=torch.logsumexp(target, -1),
+    )  # fmt: skip
+    for name in ("total", "ce", "tv", "conf", "accept"):
+        torch.testing.assert_close(getattr(columns, name), getattr(full, name))
+
+
 def test_gradients_flow_to_draft_and_confidence_but_not_through_the_soft_label():
     draft, target, labels, valid, conf = _inputs()
     draft.requires_grad_(True)

@@ -9,7 +9,7 @@ from dspark.drafters.dspark_model import DSparkModel
 from dspark.drafters.eagle3_model import Eagle3Model
 from dspark.training.build import drafter_raw_config
 from dspark.training.config import DrafterSpec
-from dspark.training.features import Sequence
+from dspark.training.features import Sequence, add_log_normalizers
 from dspark.training.forward import dspark_block_logits, eagle3_block_logits
 from dspark.training.packing import block_attention_mask, pack, sample_anchors
 
@@ -65,6 +65,23 @@ def test_pack_targets_and_validity():
         assert int(batch.ctx_len[s]) == int(batch.anchor_pos[s].max())
     # the short sequence (anchors 10..12) has a block cut by the end of the sequence
     assert not batch.valid[1].all()
+
+
+def test_log_normalizers_cover_the_response_and_are_packed_beside_their_targets():
+    seqs = [_sequence(20, 8, 0), _sequence(14, 10, 1)]
+    head = torch.randn(40, 16, generator=torch.Generator().manual_seed(2))
+    add_log_normalizers(seqs, head, torch.device("cpu"), progress=False)
+    for seq in seqs:
+        want = torch.logsumexp(seq.last @ head.T, -1)
+        torch.testing.assert_close(seq.log_norm[seq.prompt_len - 1 :], want[seq.prompt_len - 1 :])
+    batch = pack(seqs, 4, 3, torch.Generator().manual_seed(0))
+    for s, seq in enumerate(seqs):
+        for a in range(4):
+            p = int(batch.anchor_pos[s, a])
+            for k in range(3):
+                if batch.valid[s, a, k]:
+                    assert batch.target_log_norm[s, a, k] == seq.log_norm[p + k]
+    assert pack([_sequence(20, 8, 0)], 4, 3, torch.Generator()).target_log_norm is None
 
 
 def test_mask_sees_context_before_the_anchor_and_the_own_block_only():

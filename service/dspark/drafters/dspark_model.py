@@ -10,6 +10,7 @@ itself and to the context of all earlier positions. Module names follow DeepSpec
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dspark.drafters.config import DraftConfig
@@ -136,17 +137,22 @@ class DSparkModel(nn.Module):
         return self.block_hidden(anchor, torch.full_like(anchor, ctx_len), ctx_kv, mask)
 
     def teacher_forced(
-        self, hidden: torch.Tensor, anchor: torch.Tensor, tokens: torch.Tensor
+        self, hidden: torch.Tensor, anchor: torch.Tensor, tokens: torch.Tensor, draft_rows: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft logits [B, G, V] (base + sequential bias) and confidence logits [B, G] for a known block
-        `tokens` [B, G]; position k conditions on tokens[k-1] (the anchor for k = 1)."""
-        logits = self.lm_head(hidden)
+        `tokens` [B, G]; position k conditions on tokens[k-1] (the anchor for k = 1). With
+        `draft_rows`, logits [B, G, Vd] over the drafting vocabulary only, what drafting samples from."""
+        ids = self.draft_token_ids() if draft_rows else None
+        logits = self.lm_head(hidden) if ids is None else F.linear(hidden, self.lm_head.weight[ids])
         prev = torch.cat([anchor[:, None], tokens[:, :-1]], dim=1)
         emb = None
         if self.markov_head is not None:
             bias, emb = self.markov_head.teacher_forced(hidden, prev)
-            if self.config.markov_draft_vocab:
-                logits = logits.index_add(-1, self.draft_token_ids(), bias.to(logits.dtype))
+            bias = bias.to(logits.dtype)
+            if ids is not None:
+                logits = logits + (bias if self.config.markov_draft_vocab else bias[..., ids])
+            elif self.config.markov_draft_vocab:
+                logits = logits.index_add(-1, self.draft_token_ids(), bias)
             else:
                 logits = logits + bias
         conf = self.confidence_head(hidden, emb) if self.confidence_head is not None else None
@@ -155,8 +161,9 @@ class DSparkModel(nn.Module):
 
 def restrict_draft_vocabulary(model: DSparkModel, token_ids: torch.Tensor) -> DSparkModel:
     """Make `model` draft over `token_ids` only (e.g. the most frequent response tokens), in place;
-    saved as `draft_vocab_size` + `d2t` like EAGLE-3's reduced vocabulary. Training is unaffected
-    (unless the Markov head covers the drafting vocabulary: then it must be the one it has)."""
+    saved as `draft_vocab_size` + `d2t` like EAGLE-3's reduced vocabulary. `dspark train` restricts
+    before training, so that it fits the distribution drafting samples from (a Markov head over the
+    drafting vocabulary must be given the one it has)."""
     ids = torch.unique(token_ids.long().cpu())  # sorted, distinct
     if not 0 < ids.numel() <= model.config.vocab_size or int(ids[-1]) >= model.config.vocab_size:
         raise ValueError(f"a drafting vocabulary needs 1..{model.config.vocab_size} ids below the vocab size")

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 SHARD_PATTERN = "features-{:05d}.safetensors"
 DOMAIN_IDS = {"chat": 0, "code": 1, "math": 2}
+CHUNK_ROWS = 128  # positions per normaliser matmul: [128, V] float32 logits stay in cache
 
 
 @torch.inference_mode()
@@ -108,6 +109,7 @@ class Sequence:
     last: torch.Tensor  # [T, h] bf16
     prompt_len: int
     domain: int
+    log_norm: torch.Tensor | None = None  # [T] fp32 log sum exp of the target's logits (see below)
 
 
 def load_sequences(paths: list[Path], layers: tuple[int, ...], use_layers: tuple[int, ...]) -> list[Sequence]:
@@ -131,3 +133,22 @@ def load_sequences(paths: list[Path], layers: tuple[int, ...], use_layers: tuple
                 Sequence(tokens[a:b], feats[a:b], last[a:b], int(prompt_lens[i]), int(domains[i]))
             )
     return sequences
+
+
+def add_log_normalizers(
+    sequences: list[Sequence], head: torch.Tensor, device: torch.device, progress: bool = True
+) -> None:
+    """Set each sequence's `log_norm`: log sum_v exp(lm_head(last)_v) at every response position.
+
+    With it, training forms p^t only over a drafter's reduced vocabulary (p^t_v = exp(logit_v -
+    log_norm)) instead of the whole one, once per run instead of once per block position.
+    """
+    head = head.to(device)
+    with torch.no_grad():
+        for seq in tqdm(sequences, desc="target normalisers", disable=not progress, leave=False):
+            start = max(seq.prompt_len - 1, 0)
+            norm = torch.zeros(len(seq.tokens), dtype=torch.float32)
+            for chunk in range(start, len(seq.tokens), CHUNK_ROWS):
+                logits = seq.last[chunk : chunk + CHUNK_ROWS].to(device=device, dtype=head.dtype) @ head.T
+                norm[chunk : chunk + CHUNK_ROWS] = torch.logsumexp(logits.float(), dim=-1).cpu()
+            seq.log_norm = norm

@@ -16,8 +16,11 @@ from dspark.drafters.eagle3_model import Eagle3Model
 from dspark.training.packing import PackedBatch, block_attention_mask
 
 
-def dspark_block_logits(model: DSparkModel, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Draft logits [S*A, G, V] and confidence logits [S*A, G] (or None)."""
+def dspark_block_logits(
+    model: DSparkModel, batch: PackedBatch, draft_rows: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Draft logits [S*A, G, V] ([S*A, G, Vd] over the drafting vocabulary with `draft_rows`) and
+    confidence logits [S*A, G] (or None)."""
     n_seq, n_anchor, gamma = batch.valid.shape
     width = batch.ctx_features.shape[1]
     ctx_pos = torch.arange(width).expand(n_seq, width)
@@ -38,7 +41,9 @@ def dspark_block_logits(model: DSparkModel, batch: PackedBatch) -> tuple[torch.T
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     hidden = model.norm(x).reshape(n_seq * n_anchor, gamma, -1)
     anchors = batch.anchor_tokens.reshape(-1)
-    return model.teacher_forced(hidden, anchors, batch.labels.reshape(n_seq * n_anchor, gamma))
+    return model.teacher_forced(
+        hidden, anchors, batch.labels.reshape(n_seq * n_anchor, gamma), draft_rows=draft_rows
+    )
 
 
 def eagle3_block_logits(model: Eagle3Model, batch: PackedBatch) -> torch.Tensor:

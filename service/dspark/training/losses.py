@@ -41,28 +41,34 @@ def block_loss(
     conf_logits: torch.Tensor | None = None,
     draft_to_target: torch.Tensor | None = None,
     coef: tuple[float, float, float] = (0.1, 0.9, 1.0),
+    target_log_norm: torch.Tensor | None = None,
 ) -> LossTerms:
-    """draft_logits [N, G, V'] (V' < V with `draft_to_target` [V'] target ids, EAGLE-3's reduced
-    vocabulary), target_logits [N, G, V], labels [N, G] target ids, valid [N, G] bool, weights [G],
-    conf_logits [N, G] (pre-sigmoid) or None; coef = (a_ce, a_tv, a_conf)."""
+    """draft_logits [N, G, V'] (V' < V with `draft_to_target` [V'] sorted target ids, a reduced
+    drafting vocabulary), target_logits [N, G, V], labels [N, G] target ids, valid [N, G] bool, weights [G],
+    conf_logits [N, G] (pre-sigmoid) or None; coef = (a_ce, a_tv, a_conf). With a reduced
+    vocabulary, target_logits may be its V' columns only, given their log normaliser
+    `target_log_norm` [N, G] (log sum exp of all V target logits)."""
     valid_f = valid.float()
     blocks = valid.any(dim=1).sum().clamp(min=1)
     logp_d = F.log_softmax(draft_logits.float(), dim=-1)
     p_d = logp_d.exp()
-    p_t = F.softmax(target_logits.float(), dim=-1)
     if draft_to_target is None:
+        p_t = F.softmax(target_logits.float(), dim=-1)
         tv = (p_d - p_t).abs().sum(-1)
         label_logp = logp_d.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1)
         label_ok = valid
     else:
+        # Only the drafting vocabulary's columns of p^t are formed: elementwise work over all V in
+        # float32 was most of a training step.
+        if target_log_norm is None:
+            target_log_norm = torch.logsumexp(target_logits.float(), dim=-1)
+            target_logits = target_logits.index_select(-1, draft_to_target)
+        p_t_in = (target_logits.float() - target_log_norm[..., None]).exp()
         # Outside the draft vocabulary p^d = 0: those tokens add their target mass to the L1 distance.
-        p_t_in = p_t.index_select(-1, draft_to_target)
         tv = (p_d - p_t_in).abs().sum(-1) + (1.0 - p_t_in.sum(-1)).clamp(min=0)
-        target_to_draft = torch.full((p_t.shape[-1],), -1, dtype=torch.long, device=labels.device)
-        target_to_draft[draft_to_target] = torch.arange(len(draft_to_target), device=labels.device)
-        draft_labels = target_to_draft[labels.clamp(min=0)]
-        label_ok = valid & (draft_labels >= 0)
-        label_logp = logp_d.gather(-1, draft_labels.clamp(min=0)[..., None]).squeeze(-1)
+        row = torch.searchsorted(draft_to_target, labels).clamp(max=len(draft_to_target) - 1)
+        label_ok = valid & (draft_to_target[row] == labels)
+        label_logp = logp_d.gather(-1, row[..., None]).squeeze(-1)
     w = weights[None, :] * valid_f
     ce = -(w * label_logp * label_ok.float()).sum() / blocks
     tv_loss = (w * tv).sum() / blocks

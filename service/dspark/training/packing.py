@@ -27,6 +27,7 @@ class PackedBatch:
     valid: torch.Tensor  # [S, A, G] bool
     target_last: torch.Tensor  # [S, A, G, h] final hidden of positions P..P+G-1 (p^t = lm_head of it)
     domains: torch.Tensor  # [S]
+    target_log_norm: torch.Tensor | None = None  # [S, A, G] their `Sequence.log_norm`, when set
 
     @property
     def block_positions(self) -> int:
@@ -62,6 +63,8 @@ def pack(
     valid = torch.zeros(n_seq, n_anchor, gamma, dtype=torch.bool)
     target_last = torch.zeros(n_seq, n_anchor, gamma, hidden, dtype=sequences[0].last.dtype)
     offsets = torch.arange(gamma)
+    with_norm = all(seq.log_norm is not None for seq in sequences)
+    log_norm = torch.zeros(n_seq, n_anchor, gamma) if with_norm else None
     for s, (seq, pos) in enumerate(zip(sequences, anchors, strict=True)):
         length = len(seq.tokens)
         c = ctx_lens[s]
@@ -76,7 +79,10 @@ def pack(
         ok = targets < length
         labels[s, :a] = torch.where(ok, seq.tokens[targets.clamp(max=length - 1)], 0)
         valid[s, :a] = ok
-        target_last[s, :a] = seq.last[(targets - 1).clamp(max=length - 1)] * ok[..., None]
+        rows = (targets - 1).clamp(max=length - 1)
+        target_last[s, :a] = seq.last[rows] * ok[..., None]
+        if log_norm is not None:
+            log_norm[s, :a] = seq.log_norm[rows] * ok
     return PackedBatch(
         ctx_features,
         ctx_tokens,
@@ -87,6 +93,7 @@ def pack(
         valid,
         target_last,
         torch.tensor([seq.domain for seq in sequences]),
+        log_norm,
     )
 
 

@@ -22,7 +22,7 @@ from dspark.drafters.checkpoint import save_draft_model
 from dspark.drafters.dspark_model import DSparkModel, restrict_draft_vocabulary
 from dspark.training.build import draft_vocabulary, drafter_raw_config, new_drafter
 from dspark.training.config import TrainConfig
-from dspark.training.features import Sequence
+from dspark.training.features import Sequence, add_log_normalizers
 from dspark.training.forward import dspark_block_logits, eagle3_block_logits
 from dspark.training.losses import block_loss, expected_tau, position_weights
 from dspark.training.packing import PackedBatch, pack
@@ -88,7 +88,7 @@ class Trainer:
         self.vocab_size = raw["vocab_size"]
         state = self._load_state()
         draft_vocab = None
-        if "draft_vocab_size" in raw:
+        if spec.draft_vocab_size and spec.draft_vocab_size < self.vocab_size:
             draft_vocab = state["draft_vocab"] if state is not None else self.response_vocabulary()
         self.draft_vocab = draft_vocab
         embed, head = shared
@@ -102,8 +102,18 @@ class Trainer:
             draft_vocab,
             seed=cfg.optim.seed,
         ).to(device)
-        # p^t is the target's own head (never the EAGLE-3 drafter's trained one).
-        self.target_head = head.to(device=device, dtype=low)
+        if isinstance(self.model, DSparkModel) and draft_vocab is not None and self.model.d2t is None:
+            # Train on the distribution drafting samples from (the export keeps these rows).
+            restrict_draft_vocabulary(self.model, draft_vocab)
+        # p^t is the target's own head (never the EAGLE-3 drafter's trained one), over the drafting
+        # vocabulary's rows when there is one (its normaliser is computed once per position).
+        self.to_target = self.model.draft_token_ids()
+        target_head = head.to(device=device, dtype=low)
+        if self.to_target is not None:
+            if any(seq.log_norm is None for seq in sequences):
+                add_log_normalizers(sequences, target_head, device)
+            target_head = target_head[self.to_target]
+        self.target_head = target_head
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, betas=(0.9, 0.95)
@@ -126,13 +136,11 @@ class Trainer:
         counts = Counter(t for s in self.sequences for t in s.tokens[s.prompt_len :].tolist())
         return draft_vocabulary(counts, self.cfg.drafter.draft_vocab_size, self.vocab_size)
 
-    def _resume_key(self, config: dict) -> dict:
-        """What a checkpoint's config must share with this one to be resumed: all but the step
-        budget and, for DSpark / DFlash, the drafting vocabulary (applied at export only)."""
+    @staticmethod
+    def _resume_key(config: dict) -> dict:
+        """What a checkpoint's config must share with this one to be resumed: all but the step budget."""
         key = copy.deepcopy(config)
         key.get("optim", {}).pop("max_steps", None)
-        if self.cfg.drafter.kind != "eagle3":
-            key.get("drafter", {}).pop("draft_vocab_size", None)
         return key
 
     def _load_state(self) -> dict | None:
@@ -165,14 +173,13 @@ class Trainer:
         autocast = torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
         with autocast:
             if isinstance(self.model, DSparkModel):
-                draft_logits, conf_logits = dspark_block_logits(self.model, batch)
-                to_target = None
+                draft_logits, conf_logits = dspark_block_logits(self.model, batch, draft_rows=True)
             else:
                 draft_logits, conf_logits = eagle3_block_logits(self.model, batch), None
-                to_target = self.draft_vocab.to(self.device) if self.draft_vocab is not None else None
             with torch.no_grad():
                 target_logits = batch.target_last.to(self.target_head.dtype) @ self.target_head.T
         n = draft_logits.shape[0]
+        log_norm = batch.target_log_norm
         return block_loss(
             draft_logits,
             target_logits.reshape(n, *target_logits.shape[2:]),
@@ -180,8 +187,9 @@ class Trainer:
             batch.valid.reshape(n, -1),
             self.weights,
             conf_logits,
-            to_target,
+            self.to_target,
             (self.cfg.loss.ce, self.cfg.loss.tv, self.cfg.loss.conf),
+            log_norm.reshape(n, -1).to(self.device) if log_norm is not None else None,
         )
 
     def train(self, progress: bool = True, stop_after: int | None = None) -> dict:
@@ -232,10 +240,7 @@ class Trainer:
     def export(self, out: Path | None = None) -> Path:
         """bf16 checkpoint without the shared weights: out_dir/final (or `out`)."""
         target = Path(out) if out is not None else self.out_dir / FINAL_DIR
-        model = self.model.to(torch.bfloat16).eval()
-        if isinstance(model, DSparkModel) and self.cfg.drafter.draft_vocab_size:
-            model = restrict_draft_vocabulary(copy.deepcopy(model), self.response_vocabulary())
-        save_draft_model(model, target)
+        save_draft_model(self.model.to(torch.bfloat16).eval(), target)
         info = {
             "steps": self.step,
             "train_wall_s": round(self.elapsed, 1),
