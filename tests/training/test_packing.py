@@ -11,6 +11,7 @@ from dspark.training.build import drafter_raw_config
 from dspark.training.config import DrafterSpec
 from dspark.training.features import Sequence, add_log_normalizers
 from dspark.training.forward import dspark_block_logits, eagle3_block_logits
+from dspark.training.losses import block_loss, position_weights
 from dspark.training.packing import block_attention_mask, pack, sample_anchors
 
 TARGET = {
@@ -149,3 +150,28 @@ def test_packed_eagle3_steps_equal_a_sequential_reference():
                     hidden = model.entry_output(hidden[:, None], q, ks, vs, mask)[:, 0]
                     want.append(model.lm_head(model.norm(hidden)))
                 torch.testing.assert_close(logits[s * 3 + a], torch.cat(want), atol=1e-4, rtol=1e-4)
+
+
+def test_packed_forwards_and_the_loss_stay_on_the_batch_device():
+    """Every tensor the training forwards make lives on the batch's device: on "meta" (standing in
+    for CUDA) a tensor made on the CPU would raise."""
+    meta = torch.device("meta")
+    batch = pack([_sequence(20, 6, 0), _sequence(15, 5, 1)], 3, 3, torch.Generator().manual_seed(2)).to(meta)
+    assert batch.anchor_pos.device == meta and batch.target_last.device == meta
+    logits, conf = dspark_block_logits(_dspark("dspark").to(meta), batch, draft_rows=True)
+    assert logits.device == meta and logits.shape == (6, 3, 40) and conf.shape == (6, 3)
+    eagle = Eagle3Model(
+        DraftConfig.from_dict(drafter_raw_config(DrafterSpec(kind="eagle3", block_size=3), TARGET, (0, 2), 0))
+    )
+    assert eagle3_block_logits(eagle.to(meta), batch).device == meta
+    d2t = torch.arange(0, 40, 2, device=meta)
+    terms = block_loss(
+        logits[..., :20],
+        logits,
+        batch.labels.reshape(6, 3),
+        batch.valid.reshape(6, 3),
+        position_weights(3, device=meta),
+        conf.reshape(6, 3),
+        d2t,
+    )
+    assert terms.total.device == meta

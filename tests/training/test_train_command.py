@@ -107,3 +107,13 @@ def test_config_errors_are_reported(tmp_path, tiny_target):
     config["drafter"]["target_layer_ids"] = [1]
     result = _run(config, tmp_path)
     assert result.exit_code != 0 and "feature_layers" in result.output
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu_check.sh)")
+@pytest.mark.parametrize("kind", ["dspark", "eagle3"])
+def test_train_runs_on_cuda_in_bf16(tmp_path, tiny_target, kind):
+    config = tiny_config(tmp_path, tiny_target, kind, write_prompts(tmp_path / "prompts.jsonl", 30))
+    config.update(device="cuda", dtype="bfloat16")
+    result = _run(config, tmp_path)
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    assert (tmp_path / f"out-{kind}" / "final" / "model.safetensors").is_file()

@@ -22,13 +22,13 @@ def dspark_block_logits(
     """Draft logits [S*A, G, V] ([S*A, G, Vd] over the drafting vocabulary with `draft_rows`) and
     confidence logits [S*A, G] (or None)."""
     n_seq, n_anchor, gamma = batch.valid.shape
-    width = batch.ctx_features.shape[1]
-    ctx_pos = torch.arange(width).expand(n_seq, width)
+    width, device = batch.ctx_features.shape[1], batch.valid.device
+    ctx_pos = torch.arange(width, device=device).expand(n_seq, width)
     ctx_kv = model.context_kv(batch.ctx_features, ctx_pos)  # [S, C, L, 2, KVH, hd]
-    ids = torch.full((n_seq, n_anchor, gamma), model.config.mask_token_id, dtype=torch.long)
+    ids = torch.full((n_seq, n_anchor, gamma), model.config.mask_token_id, dtype=torch.long, device=device)
     ids[:, :, 0] = batch.anchor_tokens
     x = model.embed_tokens(ids.flatten(1))
-    pos = (batch.anchor_pos[:, :, None] + torch.arange(gamma)).flatten(1)
+    pos = (batch.anchor_pos[:, :, None] + torch.arange(gamma, device=device)).flatten(1)
     cos, sin = model.rotary(pos, x.dtype)
     mask = block_attention_mask(batch)
     for i, layer in enumerate(model.layers):
@@ -49,17 +49,17 @@ def dspark_block_logits(
 def eagle3_block_logits(model: Eagle3Model, batch: PackedBatch) -> torch.Tensor:
     """Draft logits [S*A, G, V'] over the drafter's own (possibly reduced) vocabulary."""
     n_seq, n_anchor, gamma = batch.valid.shape
-    width = batch.ctx_features.shape[1]
-    rows = torch.arange(n_seq)[:, None]
-    pos = torch.arange(width).expand(n_seq, width)
+    width, device = batch.ctx_features.shape[1], batch.valid.device
+    rows = torch.arange(n_seq, device=device)[:, None]
+    pos = torch.arange(width, device=device).expand(n_seq, width)
     fused = model.fuse(batch.ctx_features)
     q, ctx_k, ctx_v = model.entry_qkv(batch.ctx_tokens[:, 1:], fused, pos)
-    causal = torch.ones(width, width, dtype=torch.bool).tril().expand(n_seq, width, width)
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril().expand(n_seq, width, width)
     entries = model.entry_output(fused, q, ctx_k, ctx_v, causal)  # [S, C, d]
     last_entry = (batch.anchor_pos - 1).clamp(min=0)
     hidden = entries[rows, last_entry]  # [S, A, d]: step 1 (entry P-1 pairs feature P-1 with the anchor)
-    ctx_mask = torch.arange(width)[None, None, :] < batch.anchor_pos[:, :, None]  # [S, A, C]
-    own = torch.eye(n_anchor, dtype=torch.bool).expand(n_seq, n_anchor, n_anchor)
+    ctx_mask = torch.arange(width, device=device)[None, None, :] < batch.anchor_pos[:, :, None]  # [S, A, C]
+    own = torch.eye(n_anchor, dtype=torch.bool, device=device).expand(n_seq, n_anchor, n_anchor)
     logits = [_draft_logits(model, hidden)]
     step_k, step_v = [], []
     for step in range(1, gamma):

@@ -10,7 +10,7 @@ query's block id), never from a per-block copy of the context.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from dspark.training.features import Sequence
@@ -32,6 +32,13 @@ class PackedBatch:
     @property
     def block_positions(self) -> int:
         return int(self.valid.sum())
+
+    def to(self, device: torch.device) -> PackedBatch:
+        return PackedBatch(**{f.name: _to(getattr(self, f.name), device) for f in fields(self)})
+
+
+def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return tensor.to(device, non_blocking=True) if tensor is not None else None
 
 
 def sample_anchors(seq: Sequence, count: int, generator: torch.Generator) -> torch.Tensor:
@@ -101,9 +108,9 @@ def block_attention_mask(batch: PackedBatch) -> torch.Tensor:
     """[S, A*G, C + A*G] bool: block query (anchor P, block b) sees context positions < P and the
     keys of its own block b (bidirectionally)."""
     n_seq, n_anchor, gamma = batch.valid.shape
-    width = batch.ctx_features.shape[1]
+    width, device = batch.ctx_features.shape[1], batch.valid.device
     q_anchor = batch.anchor_pos.repeat_interleave(gamma, dim=1)  # [S, Q]
-    q_block = torch.arange(n_anchor).repeat_interleave(gamma)  # [Q]
-    ctx = torch.arange(width)[None, None, :] < q_anchor[:, :, None]  # [S, Q, C]
+    q_block = torch.arange(n_anchor, device=device).repeat_interleave(gamma)  # [Q]
+    ctx = torch.arange(width, device=device)[None, None, :] < q_anchor[:, :, None]  # [S, Q, C]
     own = (q_block[:, None] == q_block[None, :]).expand(n_seq, -1, -1)  # [S, Q, Q]
     return torch.cat([ctx, own], dim=-1)

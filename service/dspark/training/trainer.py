@@ -189,7 +189,7 @@ class Trainer:
             conf_logits,
             self.to_target,
             (self.cfg.loss.ce, self.cfg.loss.tv, self.cfg.loss.conf),
-            log_norm.reshape(n, -1).to(self.device) if log_norm is not None else None,
+            log_norm.reshape(n, -1) if log_norm is not None else None,
         )
 
     def train(self, progress: bool = True, stop_after: int | None = None) -> dict:
@@ -203,7 +203,7 @@ class Trainer:
         self.model.train()
         positions, started = 0, time.perf_counter()
         while self.step < end:
-            batch = batch_for_step(self.sequences, self.step, self.cfg)
+            batch = batch_for_step(self.sequences, self.step, self.cfg).to(self.device)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr_at(self.step, self.total, cfg)
             terms = self.loss(batch)
