@@ -35,7 +35,8 @@ def test_calibrate_from_rounds_writes_what_the_loader_applies(tmp_path, target):
 
     calibration = Calibration.find(ckpt, 7)
     assert calibration is not None and calibration.temperatures == report["temperatures"]
-    # The engine's loader applies it: c_k = sigmoid(raw logit_k / T_k).
+    assert calibration.offsets == report["offsets"]
+    # The engine's loader applies it: c_k = sigmoid(raw logit_k / T_k + b_k).
     exp = load_file(FIXTURE / "draft_gated" / "expected.safetensors")
     prompt = exp["prompt_ids"][0].tolist()
     request = make_request("r", [*prompt, int(exp["anchor_id"])], num_cached=len(prompt))
@@ -43,7 +44,9 @@ def test_calibrate_from_rounds_writes_what_the_loader_applies(tmp_path, target):
     drafter.admit(request)
     drafter.commit([request], [target_features(target, prompt)])
     block = drafter.propose([request], sampling_for([request]))
-    want = torch.sigmoid(exp["confidence_logits"] / torch.tensor(calibration.temperatures))
+    want = torch.sigmoid(
+        exp["confidence_logits"] / torch.tensor(calibration.temperatures) + torch.tensor(calibration.offsets)
+    )
     torch.testing.assert_close(block.confidences, want, atol=1e-5, rtol=1e-5)
 
 

@@ -24,6 +24,25 @@ def test_sts_brings_every_position_under_two_percent():
     assert max(r.ece_after for r in fresh) <= 0.02
 
 
+def test_offsets_fix_a_shifted_head_that_temperature_alone_cannot():
+    """A head whose logits are all 1.5 too high: no temperature brings it under 2%, an offset does
+    (b ~ -1.5, T ~ 1), fitted by log loss so the confidences keep their spread and order."""
+    rounds = overconfident_rounds(n=20_000, scale=1.0, shift=1.5)
+    _, plain = fit_sts(rounds)
+    assert plain[0].ece_after > 0.03
+    temperatures, report = fit_sts(rounds, offsets=True)
+    offsets = [r.offset for r in report]
+    assert max(r.ece_after for r in report) <= 0.02
+    assert offsets[0] == pytest.approx(-1.5, abs=0.15) and temperatures[0] == pytest.approx(1.0, abs=0.1)
+    fresh = evaluate(
+        overconfident_rounds(n=20_000, scale=1.0, shift=1.5, seed=1), temperatures, offsets=offsets
+    )
+    assert max(r.ece_after for r in fresh) <= 0.02
+    raw, calibrated = rounds.conf_logits[:, 0], confidences(rounds.conf_logits, temperatures, offsets)[:, 0]
+    assert np.array_equal(np.argsort(raw, kind="stable"), np.argsort(calibrated, kind="stable"))
+    assert calibrated.std() > 0.15  # not squashed to the base rate (which an ECE objective would reward)
+
+
 def test_calibration_preserves_order():
     rounds = overconfident_rounds(n=2000)
     temperatures, report = fit_sts(rounds)

@@ -148,6 +148,16 @@ def test_calibration_temperatures_scale_confidences(tmp_path, target):
     want = torch.sigmoid(exp["confidence_logits"] / torch.tensor(temps))
     torch.testing.assert_close(block.confidences, want, atol=1e-5, rtol=1e-5)
 
+    offsets = [-0.5, 0.25, 0.0, 1.0, -1.0, 0.0, 0.5]
+    Calibration(drafter_id=drafter_id(ckpt), temperatures=temps, offsets=offsets).save(ckpt)
+    drafter = drafter_with_context(load_drafter(str(ckpt), target.config), target, [request])
+    block = drafter.propose([request], sampling_for([request]))
+    want = torch.sigmoid(exp["confidence_logits"] / torch.tensor(temps) + torch.tensor(offsets))
+    torch.testing.assert_close(block.confidences, want, atol=1e-5, rtol=1e-5)
+    for bad in ([0.0] * 3, [float("nan")] * 7):
+        with pytest.raises(ValueError, match="offsets must be finite, one per temperature"):
+            Calibration(drafter_id=drafter_id(ckpt), temperatures=temps, offsets=bad)
+
     Calibration(drafter_id=drafter_id(ckpt), temperatures=temps[:3]).save(ckpt)
     with pytest.raises(ValueError, match="3 temperatures but the drafter drafts 7"):
         load_drafter(str(ckpt), target.config)

@@ -26,6 +26,7 @@ import numpy as np
 
 from dspark.calibration.rounds import RoundLog, confidences
 from dspark.calibration.sts import evaluate
+from dspark.drafters.calibration import Calibration
 
 THRESHOLDS = tuple(round(x, 2) for x in np.arange(0.0, 1.0, 0.05))
 
@@ -40,7 +41,7 @@ class AcceptanceRun:
     native_gamma: int  # the checkpoint's own block size
     temperature: float
     rounds: RoundLog
-    calibration: list[float] | None  # per-position temperatures (calibration.json), if any
+    calibration: Calibration | None  # calibration.json, if any
 
 
 def position_acceptance(accepted: np.ndarray, gamma: int) -> tuple[list[float], list[float]]:
@@ -73,7 +74,7 @@ def threshold_sweep(
     return rows
 
 
-def summarize_domain(rounds: RoundLog, calibration: list[float] | None) -> dict:
+def summarize_domain(rounds: RoundLog, calibration: Calibration | None) -> dict:
     """The metrics of one domain's full-block rounds."""
     full = rounds.full_blocks()
     if len(full) == 0:
@@ -88,11 +89,14 @@ def summarize_domain(rounds: RoundLog, calibration: list[float] | None) -> dict:
         "conditional": conditional,
     }
     if full.has_confidences:
+        temperatures, offsets = (
+            (calibration.temperatures, calibration.offsets) if calibration is not None else (None, None)
+        )
         summary["threshold_sweep"] = threshold_sweep(
-            confidences(full.conf_logits, calibration), full.accepted
+            confidences(full.conf_logits, temperatures, offsets), full.accepted
         )
         if calibration is not None:
-            reports = evaluate(full, calibration)
+            reports = evaluate(full, temperatures, offsets=offsets)
             summary["ece_raw"] = [r.ece_before for r in reports]
             summary["ece_calibrated"] = [r.ece_after for r in reports]
             summary["auc"] = [r.auc_after for r in reports]
@@ -214,7 +218,6 @@ def run_acceptance(
 ) -> list[AcceptanceRun]:
     """Every drafter x block size (None = its own) x temperature over the same prompts and seeds."""
     from dspark.calibration.collect import collect_rounds
-    from dspark.drafters.calibration import Calibration
     from dspark.drafters.config import DraftConfig
 
     runs = []
@@ -242,7 +245,7 @@ def run_acceptance(
                         config.gamma,
                         temperature,
                         rounds,
-                        calibration.temperatures if calibration is not None else None,
+                        calibration,
                     )
                 )
     return runs

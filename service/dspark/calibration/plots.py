@@ -10,7 +10,12 @@ from dspark.calibration.rounds import RoundLog, cumulative_confidence
 
 
 def plot_reliability(
-    rounds: RoundLog, temperatures: list[float], path: str | Path, title: str = "", bins: int = DEFAULT_BINS
+    rounds: RoundLog,
+    temperatures: list[float],
+    path: str | Path,
+    title: str = "",
+    bins: int = DEFAULT_BINS,
+    offsets: list[float] | None = None,
 ) -> Path:
     """Observed prefix survival against predicted a_k before (raw) and after calibration."""
     import matplotlib
@@ -21,7 +26,7 @@ def plot_reliability(
     survived, observed = rounds.survival()
     curves = {
         "raw": cumulative_confidence(rounds.conf_logits),
-        "calibrated (STS)": cumulative_confidence(rounds.conf_logits, temperatures),
+        "calibrated (STS)": cumulative_confidence(rounds.conf_logits, temperatures, offsets),
     }
     cols = min(4, rounds.gamma)
     rows = math.ceil(rounds.gamma / cols)
@@ -52,7 +57,9 @@ def plot_reliability(
         hist.set_yticks([])
         auc = roc_auc(curves["calibrated (STS)"][seen, k], survived[seen, k])
         ax.set_title(
-            f"position {k + 1}: T={temperatures[k]:.2f}, n={int(seen.sum())}\n"
+            f"position {k + 1}: T={temperatures[k]:.2f}"
+            + (f", b={offsets[k]:+.2f}" if offsets is not None else "")
+            + f", n={int(seen.sum())}\n"
             f"ECE {eces[0] * 100:.1f}% -> {eces[1] * 100:.1f}%, AUC {auc:.3f}",
             fontsize=8,
         )

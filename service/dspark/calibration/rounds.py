@@ -104,18 +104,28 @@ class RoundLog:
 
 
 def cumulative_confidence(
-    conf_logits: np.ndarray, temperatures: np.ndarray | list[float] | None = None
+    conf_logits: np.ndarray,
+    temperatures: np.ndarray | list[float] | None = None,
+    offsets: np.ndarray | list[float] | None = None,
 ) -> np.ndarray:
     """a_k = prod_{i<=k} c_i: the predicted probability that positions 1..k all survive."""
-    return np.cumprod(confidences(conf_logits, temperatures), axis=1)
+    return np.cumprod(confidences(conf_logits, temperatures, offsets), axis=1)
 
 
-def confidences(conf_logits: np.ndarray, temperatures: np.ndarray | list[float] | None = None) -> np.ndarray:
-    """Per-position c_k = sigmoid(logit_k / T_k); positions past the calibrated ones keep T = 1."""
+def confidences(
+    conf_logits: np.ndarray,
+    temperatures: np.ndarray | list[float] | None = None,
+    offsets: np.ndarray | list[float] | None = None,
+) -> np.ndarray:
+    """Per-position c_k = sigmoid(logit_k / T_k + b_k); positions past the calibrated ones keep
+    T = 1, b = 0."""
     logits = np.asarray(conf_logits, dtype=np.float64).copy()
     if temperatures is not None:
         temps = np.asarray(temperatures, dtype=np.float64)[: logits.shape[1]]
         logits[:, : len(temps)] /= temps[None, :]
+    if offsets is not None:
+        bias = np.asarray(offsets, dtype=np.float64)[: logits.shape[1]]
+        logits[:, : len(bias)] += bias[None, :]
     return _sigmoid(logits)
 
 

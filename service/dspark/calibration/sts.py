@@ -4,6 +4,13 @@ For k = 1..gamma, T_k is the grid point minimising the ECE of a_k = prod_{i<=k} 
 against observed prefix survival, with T_1..T_{k-1} already fixed. A positive temperature keeps
 the order of every position's confidences c_k (the cumulative a_k may reorder slightly, since its
 factors are rescaled differently, so AUC is reported before and after).
+
+With `offsets`, each position also shifts its logit, c_k = sigmoid(z_k / T_k + b_k) (still order
+preserving; Platt scaling of the cumulative a_k, fitted left to right the same way): a temperature
+only stretches confidences about 0.5, and a head that is over-confident on one side of it needs
+the shift. (T_k, b_k) then minimise the log loss of a_k, a proper score: with an offset, the ECE
+itself is minimised by squashing every confidence to the base rate, which keeps no information
+for the scheduler.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from dspark.calibration.rounds import RoundLog, _sigmoid, cumulative_confidence
 
 # Geometric grid from 0.05 to 20 (ratio ~1.025 between neighbours), with 1.0 on it.
 TEMPERATURE_GRID = np.unique(np.r_[np.geomspace(0.05, 20.0, 241), 1.0])
+OFFSET_GRID = np.round(np.linspace(-2.0, 2.0, 81), 2)  # logit shifts, steps of 0.05, 0 included
 ECE_TOLERANCE = 1e-4
 
 
@@ -26,6 +34,7 @@ class PositionReport:
     rounds: int  # rounds where survival of 1..k was observed
     survival_rate: float
     temperature: float
+    offset: float
     ece_before: float
     ece_after: float
     auc_before: float  # ROC-AUC of a_k for prefix survival, raw confidences
@@ -36,40 +45,62 @@ class PositionReport:
 
 
 def fit_sts(
-    rounds: RoundLog, grid: np.ndarray = TEMPERATURE_GRID, bins: int = DEFAULT_BINS
+    rounds: RoundLog,
+    grid: np.ndarray = TEMPERATURE_GRID,
+    bins: int = DEFAULT_BINS,
+    offsets: bool = False,
 ) -> tuple[list[float], list[PositionReport]]:
-    """Per-position temperatures and, per position, ECE before/after and AUC on these rounds."""
+    """Per-position temperatures (and, with `offsets`, logit offsets: see the reports) and, per
+    position, ECE before/after and AUC on these rounds."""
     if not rounds.has_confidences:
         raise ValueError("these rounds have no confidence logits (the drafter has no confidence head)")
     survived, observed = rounds.survival()
     logits = rounds.conf_logits
+    shifts = OFFSET_GRID if offsets else np.zeros(1)
     temperatures: list[float] = []
+    biases: list[float] = []
     prefix = np.ones(len(rounds))  # prod_{i<k} c_i with the fitted temperatures
     for k in range(rounds.gamma):
         seen = observed[:, k]
         if not seen.any():
             raise ValueError(f"no round observed position {k + 1}; record more rounds")
         outcome = survived[seen, k]
-        # [grid, n]: a_k for every candidate T_k at once.
-        candidates = prefix[seen][None, :] * _sigmoid(logits[seen, k][None, :] / grid[:, None])
-        errors = np.array([expected_calibration_error(a, outcome, bins) for a in candidates])
-        # Move away from T = 1 only as far as it measurably helps: among the temperatures within
-        # ECE_TOLERANCE of the best, take the one closest to 1 (positions that almost never survive
-        # otherwise drift to the grid's end for a negligible gain).
-        near = np.flatnonzero(errors <= errors.min() + ECE_TOLERANCE)
-        best = int(near[np.argmin(np.abs(np.log(grid[near])))])
-        temperatures.append(float(grid[best]))
-        prefix = prefix * _sigmoid(logits[:, k] / grid[best])
-    return temperatures, evaluate(rounds, temperatures, bins)
+        scaled = logits[seen, k][None, :] / grid[:, None]  # [grid, n]
+        score = _log_loss if offsets else lambda a, y: _ece_rows(a, y, bins)
+        # [shifts, grid]: the score of a_k for every candidate (b_k, T_k).
+        errors = np.array([score(prefix[seen] * _sigmoid(scaled + b), outcome) for b in shifts])
+        # Move away from T = 1, b = 0 only as far as it measurably helps: among the candidates
+        # within ECE_TOLERANCE of the best, take the one closest to them (positions that almost
+        # never survive otherwise drift to the grid's end for a negligible gain).
+        near_b, near_t = np.nonzero(errors <= errors.min() + ECE_TOLERANCE)
+        pick = int(np.argmin(np.abs(shifts[near_b]) * 1e3 + np.abs(np.log(grid[near_t]))))
+        b, t = float(shifts[near_b[pick]]), float(grid[near_t[pick]])
+        temperatures.append(t)
+        biases.append(b)
+        prefix = prefix * _sigmoid(logits[:, k] / t + b)
+    return temperatures, evaluate(rounds, temperatures, bins, biases if offsets else None)
+
+
+def _ece_rows(candidates: np.ndarray, outcome: np.ndarray, bins: int) -> np.ndarray:
+    return np.array([expected_calibration_error(a, outcome, bins) for a in candidates])
+
+
+def _log_loss(candidates: np.ndarray, outcome: np.ndarray) -> np.ndarray:
+    a = np.clip(candidates, 1e-9, 1 - 1e-9)
+    return -np.where(outcome[None, :], np.log(a), np.log1p(-a)).mean(axis=1)
 
 
 def evaluate(
-    rounds: RoundLog, temperatures: list[float] | None, bins: int = DEFAULT_BINS
+    rounds: RoundLog,
+    temperatures: list[float] | None,
+    bins: int = DEFAULT_BINS,
+    offsets: list[float] | None = None,
 ) -> list[PositionReport]:
-    """ECE of a_k against prefix survival without and with `temperatures`, and AUC, per position."""
+    """ECE of a_k against prefix survival without and with `temperatures` (and `offsets`), and
+    AUC, per position."""
     survived, observed = rounds.survival()
     raw = cumulative_confidence(rounds.conf_logits)
-    calibrated = cumulative_confidence(rounds.conf_logits, temperatures)
+    calibrated = cumulative_confidence(rounds.conf_logits, temperatures, offsets)
     reports = []
     for k in range(rounds.gamma):
         seen = observed[:, k]
@@ -82,6 +113,7 @@ def evaluate(
                 temperature=float(temperatures[k])
                 if temperatures is not None and k < len(temperatures)
                 else 1.0,
+                offset=float(offsets[k]) if offsets is not None and k < len(offsets) else 0.0,
                 ece_before=expected_calibration_error(raw[seen, k], outcome, bins),
                 ece_after=expected_calibration_error(calibrated[seen, k], outcome, bins),
                 auc_before=roc_auc(raw[seen, k], outcome),

@@ -40,6 +40,13 @@ from dspark.models.registry import DEFAULT_MODEL
     show_default=True,
     help="Share of requests held back from the fit to report ECE on unseen prompts (0 = none).",
 )
+@click.option(
+    "--offsets/--no-offsets",
+    default=True,
+    show_default=True,
+    help="Also fit a logit offset per position, c_k = sigmoid(z_k / T_k + b_k); it stays 0 where "
+    "the temperature alone is as good (--no-offsets: temperatures only, the paper's STS).",
+)
 @click.option("--output-dir", type=click.Path(path_type=Path), help="Default: runs/calibration/<drafter>.")
 @click.option("--no-write", is_flag=True, help="Do not write calibration.json beside the drafter.")
 def calibrate(
@@ -55,13 +62,14 @@ def calibrate(
     seed,
     rounds_path,
     check_fraction,
+    offsets,
     output_dir,
     no_write,
 ) -> None:
     """Fit per-position confidence temperatures for DRAFTER (a checkpoint directory or a shipped name).
 
     Records rounds on the calibration split of the eval prompts (disjoint from `bench acceptance`),
-    fits T_1..T_gamma left to right, writes calibration.json beside the checkpoint (the engine applies
+    fits T_1..T_gamma (and offsets b_k) left to right, writes calibration.json beside the checkpoint (the engine applies
     it when it loads the drafter), a report (ECE before/after, AUC per position) and reliability.png.
     """
     from dspark.calibration.collect import resolve_drafter_dir
@@ -99,10 +107,11 @@ def calibrate(
 
     fit_rounds, check_rounds = _split_by_request(rounds, check_fraction)
     try:
-        temperatures, fit_report = fit_sts(fit_rounds)
+        temperatures, fit_report = fit_sts(fit_rounds, offsets=offsets)
     except ValueError as e:
         raise click.ClickException(str(e)) from e
-    check_report = evaluate(check_rounds, temperatures) if check_rounds is not None else None
+    biases = [r.offset for r in fit_report] if offsets else None
+    check_report = evaluate(check_rounds, temperatures, offsets=biases) if check_rounds is not None else None
     ident = drafter_id(checkpoint)
     meta = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -125,6 +134,7 @@ def calibrate(
         temperatures,
         output_dir / "reliability.png",
         title=f"{checkpoint.name}: cumulative survival, {'held-back check' if check_rounds is not None else 'fit'} rounds",
+        offsets=biases,
     )
     click.echo(f"fit on {len(fit_rounds)} rounds:")
     click.echo(format_table(fit_report))
@@ -135,7 +145,7 @@ def calibrate(
     if worst:
         click.echo(f"warning: ECE after calibration is above 2% at positions {worst}; record more rounds")
     if not no_write:
-        Calibration(drafter_id=ident, temperatures=temperatures).save(checkpoint)
+        Calibration(drafter_id=ident, temperatures=temperatures, offsets=biases).save(checkpoint)
         click.echo(f"wrote {checkpoint / 'calibration.json'}")
     click.echo(f"saved {report} and {plot}")
 

@@ -1,4 +1,5 @@
-"""Per-position confidence temperatures from Sequential Temperature Scaling (calibration.json)."""
+"""Per-position confidence temperatures (and logit offsets) from Sequential Temperature Scaling
+(calibration.json)."""
 
 from __future__ import annotations
 
@@ -31,16 +32,22 @@ def drafter_id(checkpoint_dir: str | Path) -> str:
 
 
 class Calibration(BaseModel):
-    """c_k = sigmoid(logit_k / T_k), one T per block position."""
+    """c_k = sigmoid(logit_k / T_k + b_k), one T (and b, 0 when absent) per block position."""
 
     model_config = ConfigDict(extra="forbid")
 
     drafter_id: str
     temperatures: list[float] = Field(min_length=1)
+    offsets: list[float] | None = None
 
     def model_post_init(self, _context: object) -> None:
-        if any(t <= 0 for t in self.temperatures):
-            raise ValueError(f"calibration temperatures must be positive, got {self.temperatures}")
+        if any(not t > 0 or t == float("inf") for t in self.temperatures):
+            raise ValueError(f"calibration temperatures must be positive and finite, got {self.temperatures}")
+        if self.offsets is not None and (
+            len(self.offsets) != len(self.temperatures)
+            or any(abs(b) == float("inf") or b != b for b in self.offsets)
+        ):
+            raise ValueError("calibration offsets must be finite, one per temperature")
 
     @classmethod
     def find(cls, checkpoint_dir: str | Path, gamma: int) -> Calibration | None:

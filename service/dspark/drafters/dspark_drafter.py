@@ -32,7 +32,7 @@ class DSparkDrafter(Drafter):
         self.device = weight.device
         self.vocab = DraftVocab.of(model)
         self.store = ContextStore({"kv": model.kv_shape}, weight.device, weight.dtype)
-        self._temperatures = None
+        self._temperatures = self._offsets = None
         if calibration is not None:
             if len(calibration.temperatures) != self.gamma:
                 raise ValueError(
@@ -41,6 +41,8 @@ class DSparkDrafter(Drafter):
             self._temperatures = torch.tensor(
                 calibration.temperatures, dtype=torch.float32, device=self.device
             )
+            if calibration.offsets is not None:
+                self._offsets = torch.tensor(calibration.offsets, dtype=torch.float32, device=self.device)
 
     def admit(self, request: Request) -> None:
         self.store.admit(request.request_id)
@@ -78,4 +80,6 @@ class DSparkDrafter(Drafter):
         logits = logits.float()
         if self._temperatures is not None:
             logits = logits / self._temperatures[: logits.shape[1]]
+        if self._offsets is not None:
+            logits = logits + self._offsets[: logits.shape[1]]
         return torch.sigmoid(logits)
