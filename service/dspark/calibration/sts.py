@@ -57,6 +57,7 @@ def fit_sts(
     survived, observed = rounds.survival()
     logits = rounds.conf_logits
     shifts = OFFSET_GRID if offsets else np.zeros(1)
+    score = _log_loss if offsets else lambda a, y: _ece_rows(a, y, bins)
     temperatures: list[float] = []
     biases: list[float] = []
     prefix = np.ones(len(rounds))  # prod_{i<k} c_i with the fitted temperatures
@@ -66,11 +67,10 @@ def fit_sts(
             raise ValueError(f"no round observed position {k + 1}; record more rounds")
         outcome = survived[seen, k]
         scaled = logits[seen, k][None, :] / grid[:, None]  # [grid, n]
-        score = _log_loss if offsets else lambda a, y: _ece_rows(a, y, bins)
         # [shifts, grid]: the score of a_k for every candidate (b_k, T_k).
         errors = np.array([score(prefix[seen] * _sigmoid(scaled + b), outcome) for b in shifts])
         # Move away from T = 1, b = 0 only as far as it measurably helps: among the candidates
-        # within ECE_TOLERANCE of the best, take the one closest to them (positions that almost
+        # within ECE_TOLERANCE of the best score, take the one closest to them (positions that almost
         # never survive otherwise drift to the grid's end for a negligible gain).
         near_b, near_t = np.nonzero(errors <= errors.min() + ECE_TOLERANCE)
         pick = int(np.argmin(np.abs(shifts[near_b]) * 1e3 + np.abs(np.log(grid[near_t]))))
