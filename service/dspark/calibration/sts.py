@@ -25,7 +25,7 @@ from dspark.calibration.rounds import RoundLog, _sigmoid, cumulative_confidence
 # Geometric grid from 0.05 to 20 (ratio ~1.025 between neighbours), with 1.0 on it.
 TEMPERATURE_GRID = np.unique(np.r_[np.geomspace(0.05, 20.0, 241), 1.0])
 OFFSET_GRID = np.round(np.linspace(-2.0, 2.0, 81), 2)  # logit shifts, steps of 0.05, 0 included
-ECE_TOLERANCE = 1e-4
+SCORE_TOLERANCE = 1e-4
 
 
 @dataclass
@@ -70,9 +70,9 @@ def fit_sts(
         # [shifts, grid]: the score of a_k for every candidate (b_k, T_k).
         errors = np.array([score(prefix[seen] * _sigmoid(scaled + b), outcome) for b in shifts])
         # Move away from T = 1, b = 0 only as far as it measurably helps: among the candidates
-        # within ECE_TOLERANCE of the best score, take the one closest to them (positions that almost
+        # within SCORE_TOLERANCE of the best score, take the one closest to them (positions that almost
         # never survive otherwise drift to the grid's end for a negligible gain).
-        near_b, near_t = np.nonzero(errors <= errors.min() + ECE_TOLERANCE)
+        near_b, near_t = np.nonzero(errors <= errors.min() + SCORE_TOLERANCE)
         pick = int(np.argmin(np.abs(shifts[near_b]) * 1e3 + np.abs(np.log(grid[near_t]))))
         b, t = float(shifts[near_b[pick]]), float(grid[near_t[pick]])
         temperatures.append(t)

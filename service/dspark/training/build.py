@@ -8,7 +8,7 @@ import torch
 from dspark.drafters.checkpoint import build_model
 from dspark.drafters.config import DraftConfig
 from dspark.drafters.draft_vocab import d2t_offsets
-from dspark.drafters.dspark_model import DSparkModel
+from dspark.drafters.dspark_model import DSparkModel, restrict_draft_vocabulary
 from dspark.drafters.eagle3_model import Eagle3Model
 from dspark.training.config import DrafterSpec
 from torch import nn
@@ -84,7 +84,8 @@ def new_drafter(
     seed: int = 0,
 ) -> DSparkModel | Eagle3Model:
     """A randomly initialised drafter with the target's embedding / LM head (frozen) and, where
-    asked, weights copied from target decoder layers (HF Llama/Qwen key names)."""
+    asked, weights copied from target decoder layers (HF Llama/Qwen key names). With `draft_vocab`
+    it drafts over those ids only, so training fits the distribution drafting samples from."""
     torch.manual_seed(seed)
     config = DraftConfig.from_dict(raw)
     model = build_model(config)
@@ -100,6 +101,8 @@ def new_drafter(
                     head.markov_w1.weight[-1].zero_()  # the row of tokens outside the drafting vocabulary
                     model.d2t.copy_(d2t_offsets(draft_vocab))
                     head.set_rows(draft_vocab)
+        if draft_vocab is not None and model.d2t is None:
+            restrict_draft_vocabulary(model, draft_vocab)
     else:
         vocab = draft_vocab if draft_vocab is not None else torch.arange(config.vocab_size)
         with torch.no_grad():

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 from dspark.drafters.checkpoint import save_draft_model
-from dspark.drafters.dspark_model import DSparkModel, restrict_draft_vocabulary
+from dspark.drafters.dspark_model import DSparkModel
 from dspark.training.build import draft_vocabulary, drafter_raw_config, new_drafter
 from dspark.training.config import TrainConfig
 from dspark.training.features import Sequence, add_log_normalizers
@@ -102,9 +102,6 @@ class Trainer:
             draft_vocab,
             seed=cfg.optim.seed,
         ).to(device)
-        if isinstance(self.model, DSparkModel) and draft_vocab is not None and self.model.d2t is None:
-            # Train on the distribution drafting samples from (the export keeps these rows).
-            restrict_draft_vocabulary(self.model, draft_vocab)
         # p^t is the target's own head (never the EAGLE-3 drafter's trained one), over the drafting
         # vocabulary's rows when there is one (its normaliser is computed once per position).
         self.to_target = self.model.draft_token_ids()
