@@ -41,3 +41,12 @@ def test_sampled_decoding_runs_with_seeds_on_cuda(smollm_dir):
     p = engine.tokenizer.encode("Once upon a time")
     params = SamplingParams(temperature=1.0, max_tokens=12, seed=7)
     assert engine.generate([p], params)[0].token_ids == engine.generate([p], params)[0].token_ids
+
+
+def test_bench_decode_runs_every_system_on_cuda(smollm_dir):
+    from dspark.bench.decode import run_decode_bench
+
+    config = EngineConfig(drafter="dspark", policy="dspark", device="cuda")
+    results = run_decode_bench(config, {"code": ["def add(a, b):"]}, 16, 4, include_hf=False, repeats=1)
+    assert {m.system for m in results} >= {"engine plain", "engine ngram (static:4)"} and len(results) == 3
+    assert all(m.tokens > 0 for m in results)

@@ -183,3 +183,8 @@ def test_the_engine_drafts_only_what_the_policy_can_verify(tiny_dirs):
         assert [r.token_ids for r in engine.generate(prompts(3), GREEDY)] == expected
         assert set(drafter.horizons) == want
         assert bool(drafter.horizons) == (policy != "none")
+
+
+def test_a_drafter_on_another_device_is_refused(tiny_dirs):
+    with pytest.raises(ValueError, match="drafter 'ngram' is on meta but the engine runs on cpu"):
+        engine_on(tiny_dirs["llama"], NgramDrafter(4, device="meta"), "static:2")

@@ -80,3 +80,27 @@ def test_a_broken_profile_file_is_named_then_replaced(
         profile = acquire_profile(engine)
     assert isinstance(profile, SpsProfile) and len(profiling_calls) == 1
     assert problem.lower() in caplog.text.lower()
+
+
+def test_a_profile_short_of_the_engines_batch_budget_is_replaced(engine, profiling_calls, tmp_path, caplog):
+    mine = acquire_profile(engine)
+    short = tmp_path / "short.json"
+    mine.model_copy(update={"points": mine.points[:-2]}).save(short)  # measured up to B = 16 only
+    with pytest.raises(ProfileError, match=r"up to 16 batch tokens .* up to 64"):
+        acquire_profile(engine, str(short), strict=True)
+    with caplog.at_level(logging.WARNING):
+        replaced = acquire_profile(engine, str(short))
+    assert replaced.points[-1].batch_tokens == 64 and len(profiling_calls) == 2
+
+
+def test_the_context_shrinks_to_fit_a_batch_as_long_as_max_model_len(tiny_dirs):
+    engine = engine_on(
+        tiny_dirs["llama"], NgramDrafter(4), "none", max_num_seqs=4, max_model_len=64, max_batch_tokens=64
+    )
+    profile = profiler.profile_engine(engine, grid=[1, 64], repeats=1, min_seconds=0.0)
+    assert profile.engine["context_len"] == 64 - 16  # 64 tokens over 4 requests: 16 each
+    single = engine_on(
+        tiny_dirs["llama"], NgramDrafter(4), "none", max_num_seqs=1, max_model_len=64, max_batch_tokens=64
+    )
+    with pytest.raises(ValueError, match=r"max_model_len 64 leaves no room .* 64 verified tokens"):
+        profiler.profile_engine(single, grid=[1, 64], repeats=1, min_seconds=0.0)

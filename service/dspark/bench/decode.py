@@ -73,11 +73,11 @@ def run_decode_bench(
 
     # One load of the target (and of the --drafter, if any); every system is a sibling over it.
     base = LLMEngine.from_config(config.model_copy(update={"policy": "none"}))
-    plain = base.sibling(load_drafter("none", base.model.config), build_policy("none"))
+    plain = base.sibling(load_drafter("none", base.model.config, base.device), build_policy("none"))
     systems = {
         "engine plain": plain,
         f"engine ngram (static:{lookup})": plain.sibling(
-            load_drafter("ngram", plain.model.config, gamma=config.gamma),
+            load_drafter("ngram", plain.model.config, plain.device, gamma=config.gamma),
             build_policy(f"static:{lookup}"),
         ),
     }

@@ -67,6 +67,7 @@ class LLMEngine:
         dtype: torch.dtype,
         model_name: str,
     ) -> None:
+        _check_drafter_device(drafter, device)
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
@@ -423,3 +424,13 @@ def _eos_ids(config, tokenizer) -> frozenset[int]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return frozenset(ids)
+
+
+def _check_drafter_device(drafter: Drafter, device: torch.device) -> None:
+    """Refuse a drafter on another device: its tokens would meet the target's logits mid-step."""
+    own = getattr(drafter, "device", None)
+    if own is None:
+        return
+    own = torch.device(own)
+    if own.type != device.type or (own.index or 0) != (device.index or 0):
+        raise ValueError(f"drafter {drafter.name!r} is on {own} but the engine runs on {device}")

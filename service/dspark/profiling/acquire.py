@@ -32,6 +32,7 @@ def acquire_profile(engine, path: str | None = None, strict: bool = False) -> Sp
     try:
         profile = SpsProfile.load(source)
         profile.ensure_matches(model, dtype, device)
+        profile.ensure_covers(engine.config.max_batch_tokens)
         log.info(
             "using SPS profile %s (%d points, measured %s)", source, len(profile.points), profile.created
         )

@@ -221,6 +221,15 @@ class SpsProfile(BaseModel):
                 + "; profile this engine again or point to the matching profile"
             )
 
+    def ensure_covers(self, max_batch_tokens: int) -> None:
+        """Refuse a profile that stops short of the engine's largest forward: the rest would be a guess."""
+        largest = self.points[-1].batch_tokens
+        if largest < max_batch_tokens:
+            raise ProfileError(
+                f"refusing SPS profile {self.source}: it was measured up to {largest} batch tokens "
+                f"but this engine runs forwards of up to {max_batch_tokens}"
+            )
+
     # -- lookup --------------------------------------------------------------------------------
 
     @overload
