@@ -13,6 +13,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from dspark.drafters.layers import Qwen3RMSNorm, apply_rotary
+from dspark.models.sdpa import without_cudnn_attention
 
 
 class DraftAttention(nn.Module):
@@ -45,7 +46,12 @@ class DraftAttention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [B, Q, H, hd], k/v [B, S, KVH, hd], mask [B, Q or 1, S] (True = attend) -> [B, Q, d]."""
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None], enable_gqa=True
-        )
+        with without_cudnn_attention():
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                attn_mask=mask[:, None],
+                enable_gqa=True,
+            )
         return self.o_proj(out.transpose(1, 2).flatten(-2))

@@ -18,6 +18,7 @@ from dspark.engine.forward_batch import ForwardBatch, ShortGroup
 from dspark.engine.kv_cache import KVCache
 from dspark.models.config import head_dim
 from dspark.models.rotary import RotaryEmbedding, apply_rotary
+from dspark.models.sdpa import without_cudnn_attention
 
 
 class RMSNorm(nn.Module):
@@ -204,10 +205,11 @@ class DecoderModel(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(batch.positions, x.dtype)
         captured = []
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, batch, cache)
-            if i in hidden_layers:
-                captured.append(x)
+        with without_cudnn_attention():
+            for i, layer in enumerate(self.model.layers):
+                x = layer(x, cos, sin, batch, cache)
+                if i in hidden_layers:
+                    captured.append(x)
         final = self.model.norm(x[batch.logit_rows])
         logits = self.lm_head(final).float()
         return ForwardOutput(
