@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The device check for a GPU machine: CUDA tests, the SPS profile, bench decode and bench serve on the GPU.
-# Results land in $OUT (default runs/gpu): log.txt, profile.json/png, bench-decode.json, serve/.
+# Results land in $OUT (default runs/gpu): log.txt, profile.json/png, steps/, bench-decode.json, serve/.
 # Usage: bash scripts/gpu_check.sh   (DSPARK_SKIP_INSTALL=1: use the current Python environment)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +24,8 @@ SERVE=(--device cuda --drafter dspark --max-num-seqs 64 --max-batch-tokens 2048)
 step profile
 dspark profile "${SERVE[@]}" --plot "$OUT/profile.png" 2>&1 | tail -4 | tee -a "$LOG"
 cp "$(ls -t "${DSPARK_HOME:-$HOME/.cache/dspark}"/profiles/*.json | head -1)" "$OUT/profile.json"
+step step profile
+python3 scripts/step_profile.py --device cuda --out "$OUT/steps" 2>&1 | grep -v USDT | tail -8 | tee -a "$LOG"
 step bench decode
 dspark bench decode --device cuda --drafter dspark --policy dspark --num-prompts 4 --repeats 1 \
   --output "$OUT/bench-decode.json" 2>&1 | tail -30 | tee -a "$LOG"

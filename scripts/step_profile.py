@@ -1,0 +1,86 @@
+"""Where an engine step's time goes: step and forward times per policy and concurrency, and a
+torch.profiler table of the busiest operators at the highest concurrency.
+
+Usage: python scripts/step_profile.py --device cuda --out runs/gpu/steps [--target DIR_OR_NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from dspark.drafters.ngram import NoDrafter
+from dspark.engine.config import EngineConfig
+from dspark.engine.llm_engine import LLMEngine
+from dspark.engine.sampling_params import SamplingParams
+from dspark.policies.factory import build_policy
+from torch.profiler import ProfilerActivity, profile
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="smollm2-135m")
+    parser.add_argument("--drafter", default="dspark")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--concurrency", default="1,16,64")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=Path("runs/gpu/steps"))
+    args = parser.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    base = LLMEngine.from_config(
+        EngineConfig(
+            target=args.target,
+            drafter=args.drafter,
+            policy="none",
+            device=args.device,
+            max_num_seqs=max(levels),
+            max_batch_tokens=2048,
+            max_model_len=1024,
+        )
+    )
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    prompt = base.tokenizer.encode("Hello there, how are you doing today? " * 3)
+    results = {}
+    for policy in ("none", "full"):
+        for c in levels:
+            drafter = NoDrafter() if policy == "none" else base.drafter
+            engine = base.sibling(drafter, build_policy(policy), max_num_seqs=c)
+            for _ in range(c):
+                engine.add_request(prompt, params)
+            for _ in range(8):  # past the prefill
+                engine.step()
+            sync(base.device)
+            start, forward = time.perf_counter(), 0.0
+            for _ in range(args.steps):
+                engine.step()
+                forward += engine.last_step_stats.forward_time_s
+            sync(base.device)
+            step = (time.perf_counter() - start) / args.steps
+            results[f"{policy}@{c}"] = {"step_ms": step * 1e3, "forward_ms": forward / args.steps * 1e3}
+            print(policy, c, results[f"{policy}@{c}"], flush=True)
+            if c == levels[-1]:
+                activities = [ProfilerActivity.CPU]
+                if base.device.type == "cuda":
+                    activities.append(ProfilerActivity.CUDA)
+                with profile(activities=activities) as prof:
+                    for _ in range(5):
+                        engine.step()
+                    sync(base.device)
+                table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+                (args.out / f"ops-{policy}.txt").write_text(table)
+            for request_id in list(engine.requests):
+                engine.abort_request(request_id)
+    (args.out / "steps.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
