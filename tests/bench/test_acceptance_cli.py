@@ -241,3 +241,16 @@ def test_bench_serve_leaves_the_oracles_probing_off_its_clock(monkeypatch):
     assert oracle.seconds == pytest.approx(plain.seconds) == pytest.approx(6 * 0.01)
     assert oracle.per_user_p50 == pytest.approx(plain.per_user_p50)
     assert engines[1].untimed_s == pytest.approx(6 * 0.02)
+
+
+def test_bench_serve_runs_plain_decoding_without_the_drafter(tiny_dirs):
+    from dspark.drafters.ngram import NgramDrafter
+    from dspark.policies.factory import build_policy
+
+    from tests.engine.helpers import engine_on
+
+    base = engine_on(tiny_dirs["llama"], NgramDrafter(4), "none")
+    plain = serve.policy_engine(base, "none", build_policy("none"), 2)
+    static = serve.policy_engine(base, "static:1", build_policy("static:1"), 2)
+    assert plain.drafter.name == "none" and plain.drafter.target_layers == ()
+    assert static.drafter is base.drafter and static.config.max_num_seqs == 2

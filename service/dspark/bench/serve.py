@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from dspark.bench.oracle import ORACLE, OracleEngine
+from dspark.drafters.ngram import NoDrafter
 from dspark.engine.llm_engine import LLMEngine
 from dspark.engine.request import Request
 from dspark.engine.sampling_params import SamplingParams
@@ -191,6 +192,15 @@ def _quantile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[max(0, min(98, round(q * 100) - 1))]
 
 
+def policy_engine(base: LLMEngine, spec: str, policy, concurrency: int) -> LLMEngine:
+    """The engine a policy runs on: plain decoding (`none`) without a drafter, so the baseline does
+    not pay for keeping a drafter's context it never drafts from; the others share `base`'s drafter."""
+    if spec == ORACLE:
+        return OracleEngine.of(base, max_num_seqs=concurrency)
+    drafter = NoDrafter() if spec == "none" else base.drafter
+    return base.sibling(drafter, policy, max_num_seqs=concurrency)
+
+
 def run_serve_bench(
     base: LLMEngine,
     policies: list[str],
@@ -221,10 +231,7 @@ def run_serve_bench(
         for r in range(rounds):
             loops = []
             for i, spec in enumerate(policies):
-                if spec == ORACLE:
-                    engine = OracleEngine.of(base, max_num_seqs=c)
-                else:
-                    engine = base.sibling(base.drafter, verify[spec], max_num_seqs=c)
+                engine = policy_engine(base, spec, verify.get(spec), c)
                 if r == 0:  # unmeasured: the policy learns its costs and confidences at this load
                     run_closed_loop(engine, prompts, c, c, params, lengths)
                 loops.append(
