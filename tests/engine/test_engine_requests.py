@@ -188,3 +188,17 @@ def test_the_engine_drafts_only_what_the_policy_can_verify(tiny_dirs):
 def test_a_drafter_on_another_device_is_refused(tiny_dirs):
     with pytest.raises(ValueError, match="drafter 'ngram' is on meta but the engine runs on cpu"):
         engine_on(tiny_dirs["llama"], NgramDrafter(4, device="meta"), "static:2")
+
+
+@pytest.mark.parametrize("policy,chunk", [("none", 24 - 2), ("static:2", 24 - 2 * 3), ("full", 24 - 2 * 8)])
+def test_prompt_chunks_get_the_budget_the_steps_drafts_leave(tiny_dirs, policy, chunk):
+    """Each decode reserves 1 + the policy's horizon for this step, not a whole block: a policy that
+    drafts little leaves the rest of the batch to prompt chunks."""
+    engine = engine_on(tiny_dirs["llama"], NgramDrafter(7), policy, max_batch_tokens=24, max_num_seqs=3)
+    for prompt in prompts(2, length=5):
+        engine.add_request(prompt, GREEDY.model_copy(update={"max_tokens": 20}))
+    while engine.scheduler.num_decoding < 2:
+        engine.step()
+    engine.add_request(prompts(1, length=70)[0], GREEDY)
+    engine.step()
+    assert engine.last_step_stats.num_prefill_tokens == chunk

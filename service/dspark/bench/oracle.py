@@ -47,9 +47,9 @@ class OracleEngine(LLMEngine):
             raise ValueError("the oracle policy needs greedy decoding (temperature 0)")
         return super().add_request(prompt_token_ids, params, *args, **kwargs)
 
-    def _draft(self, decodes: list[Request]) -> Draft:
+    def _draft(self, decodes: list[Request], horizon: int) -> Draft:
         self._probe_s = 0.0  # `step` drafts on every step it records
-        draft = super()._draft(decodes)
+        draft = super()._draft(decodes, horizon)
         if not decodes or max(draft.lengths) == 0:
             return draft
         started = time.perf_counter()

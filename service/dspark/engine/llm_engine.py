@@ -194,12 +194,16 @@ class LLMEngine:
         """Schedule, draft, verify in one forward, accept and stream."""
         started = time.perf_counter()
         self._stats = StepStats(accepted_per_position=[0] * self.drafter.gamma)
-        plan, admitted = self.scheduler.schedule()
+        # The policy decides how far to draft before the plan, so that prompt chunks get the budget
+        # a short or draft-free step leaves: a whole block reserved per decode starved them.
+        decoding = self.scheduler.num_decoding
+        horizon = self.policy.max_length(self.drafter.gamma, decoding) if decoding else 0
+        plan, admitted = self.scheduler.schedule(tokens_per_decode=1 + horizon)
         for request in admitted:
             self.drafter.admit(request)
         if plan.empty:
             return []
-        draft = self._draft(plan.decodes)
+        draft = self._draft(plan.decodes, horizon)
         forward_start = time.perf_counter()
         forward = self.runner.run(plan, draft_lists(draft), self.drafter.target_layers)
         forward_time = time.perf_counter() - forward_start
@@ -207,10 +211,9 @@ class LLMEngine:
         self._record(plan, draft, forward_time, time.perf_counter() - started)
         return outputs
 
-    def _draft(self, decodes: list[Request]) -> Draft:
-        horizon = self.policy.max_length(self.drafter.gamma, len(decodes)) if decodes else 0
-        t0 = time.perf_counter()  # after the policy's drafting decision: draft_time is drafting only
-        if horizon == 0:  # nothing to decode, or the policy does not draft this step
+    def _draft(self, decodes: list[Request], horizon: int) -> Draft:
+        t0 = time.perf_counter()
+        if horizon == 0 or not decodes:  # nothing to decode, or the policy does not draft this step
             empty = torch.zeros((len(decodes), 0), dtype=torch.int64, device=self.device)
             return Draft(DraftBlock(empty, None), [0] * len(decodes))
         block = self.drafter.propose(decodes, self._sampling(decodes), horizon)

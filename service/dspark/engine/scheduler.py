@@ -34,8 +34,15 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def schedule(self) -> tuple[StepPlan, list[Request]]:
-        """Plan one step; also return the requests admitted into a slot by this call."""
+    @property
+    def num_decoding(self) -> int:
+        """Running requests past their prompt: the decodes of the next plan."""
+        return sum(not r.in_prefill for r in self.running)
+
+    def schedule(self, tokens_per_decode: int | None = None) -> tuple[StepPlan, list[Request]]:
+        """Plan one step, reserving `tokens_per_decode` (default: the engine's block) per decode;
+        also return the requests admitted into a slot by this call."""
+        per_decode = self.tokens_per_decode if tokens_per_decode is None else tokens_per_decode
         admitted = []
         while self.waiting and self.cache.num_free_slots:
             request = self.waiting.popleft()
@@ -45,7 +52,7 @@ class Scheduler:
             admitted.append(request)
 
         plan = StepPlan(decodes=[r for r in self.running if not r.in_prefill])
-        budget = self.max_batch_tokens - len(plan.decodes) * self.tokens_per_decode
+        budget = self.max_batch_tokens - len(plan.decodes) * per_decode
         for request in self.running:
             if request.in_prefill and budget > 0:
                 chunk = min(budget, len(request.prompt_token_ids) - request.num_cached)
