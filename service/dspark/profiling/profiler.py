@@ -67,12 +67,12 @@ def profile_engine(
     max_requests = engine.cache.num_free_slots
     grid = grid or default_grid(engine.config.max_batch_tokens, 8 if engine.device.type == "cuda" else 4)
     # A request's context plus its share of the largest batch must fit in max_model_len.
-    context_len = min(context_len, engine.max_model_len - max(batch_shape(grid[-1], max_requests)))
+    widest = max(batch_shape(grid[-1], max_requests))
+    context_len = min(context_len, engine.max_model_len - widest)
     if context_len < 1:
         raise ValueError(
-            f"max_model_len {engine.max_model_len} leaves no room for a context next to "
-            f"{max(batch_shape(grid[-1], max_requests))} verified tokens per request; raise "
-            "--max-model-len or --max-num-seqs, or lower --max-batch-tokens"
+            f"max_model_len {engine.max_model_len} leaves no room for a context next to {widest} "
+            "verified tokens per request; raise --max-model-len or --max-num-seqs, or lower --max-batch-tokens"
         )
     _fill_context(engine, max_requests, context_len)
     time_forward(engine, batch_shape(grid[-1], max_requests), context_len, 2, 0.0)  # warm-up
