@@ -11,18 +11,13 @@ import json
 import time
 from pathlib import Path
 
-import torch
 from dspark.drafters.ngram import NoDrafter
 from dspark.engine.config import EngineConfig
 from dspark.engine.llm_engine import LLMEngine
 from dspark.engine.sampling_params import SamplingParams
 from dspark.policies.factory import build_policy
+from dspark.profiling.profiler import sync
 from torch.profiler import ProfilerActivity, profile
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def main() -> None:

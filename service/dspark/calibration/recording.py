@@ -40,6 +40,7 @@ class RecordingDrafter(Drafter):
         self.name = inner.name
         self.gamma = inner.gamma
         self.target_layers = inner.target_layers
+        self.device = inner.device
         self._pending: list[_Pending] = []
         self._logits: list[np.ndarray] = []
         self._accepted: list[int] = []

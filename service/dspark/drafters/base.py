@@ -34,6 +34,7 @@ class Drafter(ABC):
     name: str = "base"
     gamma: int = 0
     target_layers: tuple[int, ...] = ()  # decoder layers whose outputs `commit` receives
+    device: torch.device | None = None  # where `propose` puts its tensors (None: it holds none)
 
     def admit(self, request: Request) -> None:  # noqa: B027 - optional hook
         """A request got a KV slot."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -41,11 +42,10 @@ class Calibration(BaseModel):
     offsets: list[float] | None = None
 
     def model_post_init(self, _context: object) -> None:
-        if any(not t > 0 or t == float("inf") for t in self.temperatures):
+        if not all(math.isfinite(t) and t > 0 for t in self.temperatures):
             raise ValueError(f"calibration temperatures must be positive and finite, got {self.temperatures}")
         if self.offsets is not None and (
-            len(self.offsets) != len(self.temperatures)
-            or any(abs(b) == float("inf") or b != b for b in self.offsets)
+            len(self.offsets) != len(self.temperatures) or not all(math.isfinite(b) for b in self.offsets)
         ):
             raise ValueError("calibration offsets must be finite, one per temperature")
 

@@ -90,7 +90,7 @@ class LLMEngine:
             device,
         )
         self.runner = ModelRunner(model, self.cache, device)
-        self.scheduler = Scheduler(self.cache, config.max_batch_tokens, 1 + drafter.gamma)
+        self.scheduler = Scheduler(self.cache, config.max_batch_tokens)
         self.eos_ids = _eos_ids(model.config, tokenizer)
         self.requests: dict[str, Request] = {}
         self.last_step_stats = StepStats()
@@ -213,7 +213,7 @@ class LLMEngine:
 
     def _draft(self, decodes: list[Request], horizon: int) -> Draft:
         t0 = time.perf_counter()
-        if horizon == 0 or not decodes:  # nothing to decode, or the policy does not draft this step
+        if horizon == 0:  # nothing to decode, or the policy does not draft this step
             empty = torch.zeros((len(decodes), 0), dtype=torch.int64, device=self.device)
             return Draft(DraftBlock(empty, None), [0] * len(decodes))
         block = self.drafter.propose(decodes, self._sampling(decodes), horizon)
@@ -431,9 +431,8 @@ def _eos_ids(config, tokenizer) -> frozenset[int]:
 
 def _check_drafter_device(drafter: Drafter, device: torch.device) -> None:
     """Refuse a drafter on another device: its tokens would meet the target's logits mid-step."""
-    own = getattr(drafter, "device", None)
-    if own is None:
+    if drafter.device is None:
         return
-    own = torch.device(own)
+    own = torch.device(drafter.device)
     if own.type != device.type or (own.index or 0) != (device.index or 0):
         raise ValueError(f"drafter {drafter.name!r} is on {own} but the engine runs on {device}")

@@ -24,10 +24,9 @@ class StepPlan:
 class Scheduler:
     """FIFO admission into KV slots; decodes first, then prompt chunks within the token budget."""
 
-    def __init__(self, cache: KVCache, max_batch_tokens: int, tokens_per_decode: int) -> None:
+    def __init__(self, cache: KVCache, max_batch_tokens: int) -> None:
         self.cache = cache
         self.max_batch_tokens = max_batch_tokens
-        self.tokens_per_decode = tokens_per_decode
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -39,10 +38,9 @@ class Scheduler:
         """Running requests past their prompt: the decodes of the next plan."""
         return sum(not r.in_prefill for r in self.running)
 
-    def schedule(self, tokens_per_decode: int | None = None) -> tuple[StepPlan, list[Request]]:
-        """Plan one step, reserving `tokens_per_decode` (default: the engine's block) per decode;
-        also return the requests admitted into a slot by this call."""
-        per_decode = self.tokens_per_decode if tokens_per_decode is None else tokens_per_decode
+    def schedule(self, tokens_per_decode: int) -> tuple[StepPlan, list[Request]]:
+        """Plan one step, reserving `tokens_per_decode` batch tokens per decode; also return the
+        requests admitted into a slot by this call."""
         admitted = []
         while self.waiting and self.cache.num_free_slots:
             request = self.waiting.popleft()
@@ -52,7 +50,7 @@ class Scheduler:
             admitted.append(request)
 
         plan = StepPlan(decodes=[r for r in self.running if not r.in_prefill])
-        budget = self.max_batch_tokens - len(plan.decodes) * per_decode
+        budget = self.max_batch_tokens - len(plan.decodes) * tokens_per_decode
         for request in self.running:
             if request.in_prefill and budget > 0:
                 chunk = min(budget, len(request.prompt_token_ids) - request.num_cached)

@@ -43,10 +43,10 @@ def time_forward(engine, lengths: list[int], context_len: int, repeats: int, min
     layers = engine.drafter.target_layers
     times: list[float] = []
     while len(times) < repeats or sum(times) < min_seconds:
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         model(tokens, batch, cache, hidden_layers=layers)
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - start)
         if len(times) >= 50:
             break
@@ -111,6 +111,7 @@ def _fill_context(engine, requests: int, context_len: int) -> None:
             engine.model(tokens, batch, engine.cache)
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU), so wall-clock times cover it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
