@@ -38,3 +38,42 @@ def test_paged_roundtrip_with_growth_and_reuse():
     torch.testing.assert_close(store.read("kv", torch.tensor(store.rows(["r11"])), 82)[0], expected["r11"])
     with pytest.raises(KeyError, match="not admitted"):
         store.rows(["r3"])
+
+
+def _chunk(rows: list[int], positions: list[int]):
+    from dspark.drafters.feature_batch import CommittedChunk
+
+    return CommittedChunk(
+        torch.tensor([[float(r), float(p)] for r, p in zip(rows, positions, strict=True)]),
+        torch.tensor(rows),
+        torch.tensor(positions),
+    )
+
+
+def test_pending_commits_drop_rows_released_before_they_were_written():
+    from dspark.drafters.feature_batch import PendingCommits
+
+    pending = PendingCommits(max_tokens=100)
+    assert pending.take() is None
+    pending.add(_chunk([0, 1, 2], [5, 7, 3]))
+    pending.add(_chunk([1, 2], [8, 4]))
+    pending.release(1)  # row 1 ends; a new request takes the row and commits from position 0
+    pending.add(_chunk([1, 0], [0, 6]))
+    pending.release(2)
+    chunk = pending.take()
+    assert chunk.rows.tolist() == [0, 1, 0]
+    assert chunk.positions.tolist() == [5, 0, 6]
+    assert chunk.features.tolist() == [[0.0, 5.0], [1.0, 0.0], [0.0, 6.0]]
+    assert pending.take() is None and pending.num_tokens == 0
+    pending.release(0)  # nothing queued: nothing to drop later
+    pending.add(_chunk([0], [7]))
+    assert pending.take().positions.tolist() == [7]
+
+
+def test_pending_commits_ask_to_be_written_when_full():
+    from dspark.drafters.feature_batch import PendingCommits
+
+    pending = PendingCommits(max_tokens=4)
+    assert not pending.add(_chunk([0, 1, 2], [0, 0, 0]))
+    assert pending.add(_chunk([0], [1]))
+    assert pending.num_tokens == 4

@@ -364,3 +364,36 @@ def test_markov_head_over_the_drafting_vocabulary(variant, target, tmp_path):
         torch.testing.assert_close(logits[:, 0], plain[:, 0])
     with pytest.raises(ValueError, match="its own drafting vocabulary"):
         restrict_draft_vocabulary(small, subset[:100])
+
+
+def test_deferred_context_equals_eager_across_release_and_reuse(target):
+    """Context K/V computed when drafting (after several commits, releases and a reused row) equals
+    the K/V computed at every commit."""
+    path = str(FIXTURE / "draft_vanilla")
+    deferred, eager = load_drafter(path, target.config), load_drafter(path, target.config)
+    eager.pending.max_tokens = 0  # every commit is written at once
+    tokens = {f"r{i}": sequence(40, seed=300 + i) for i in range(4)}
+    tokens["new"] = sequence(40, seed=399)
+    blocks = []
+    for drafter in (deferred, eager):
+        requests = {rid: make_request(rid, t[:9], num_cached=8) for rid, t in tokens.items()}
+        drafter_with_context(drafter, target, [requests[f"r{i}"] for i in range(4)])
+        for step, accepted in enumerate((2, 3, 1)):
+            if step == 1:  # two requests end before their last commits were drafted from
+                drafter.release(requests.pop("r0"))
+                drafter.release(requests.pop("r1"))
+                drafter_with_context(drafter, target, [requests["new"]])  # takes r1's row and pages
+            live = [r for rid, r in requests.items() if rid != "new" or step > 1]
+            for request in live:
+                features = target_features(
+                    target, tokens[request.request_id][: request.num_cached + accepted]
+                )
+                drafter.commit([request], [features[request.num_cached :]])
+                request.num_cached += accepted
+                request.prompt_token_ids = tokens[request.request_id][: request.num_cached + 1]
+        assert drafter.pending.num_tokens == (0 if drafter is eager else 4 * 8 + 4 * 2 + 8 + 2 * 3 + 3 * 1)
+        live = list(requests.values())
+        blocks.append(drafter.propose(live, sampling_for(live)))
+    assert deferred.pending.num_tokens == 0
+    assert torch.equal(blocks[0].tokens, blocks[1].tokens)
+    torch.testing.assert_close(blocks[0].confidences, blocks[1].confidences, atol=1e-5, rtol=1e-4)

@@ -6,28 +6,30 @@ from collections.abc import Sequence
 
 import torch
 
-from dspark.drafters.base import DraftBlock, Drafter
+from dspark.drafters.base import DraftBlock
 from dspark.drafters.block_sampling import sample_block
 from dspark.drafters.calibration import Calibration
+from dspark.drafters.context_drafter import ContextDrafter
 from dspark.drafters.context_store import ContextStore
 from dspark.drafters.draft_vocab import DraftVocab
 from dspark.drafters.dspark_model import DSparkModel
-from dspark.drafters.feature_batch import check_in_sync, gather_commit
+from dspark.drafters.feature_batch import CommittedChunk, check_in_sync
 from dspark.engine.request import Request
 from dspark.engine.sampler import SamplingTensors
 
 
-class DSparkDrafter(Drafter):
+class DSparkDrafter(ContextDrafter):
     """Keeps each request's context K/V (one entry per committed token and draft layer) and drafts
     every request's block in one batched backbone pass."""
 
     def __init__(self, model: DSparkModel, calibration: Calibration | None = None) -> None:
+        super().__init__()
         self.model = model
         config = model.config
         self.name = config.kind
         self.gamma = config.gamma
         self.target_layers = tuple(config.target_layer_ids)
-        self._feature_size = len(self.target_layers) * config.target_hidden_size
+        self.feature_size = len(self.target_layers) * config.target_hidden_size
         weight = model.fc.weight
         self.device = weight.device
         self.vocab = DraftVocab.of(model)
@@ -44,25 +46,16 @@ class DSparkDrafter(Drafter):
             if calibration.offsets is not None:
                 self._offsets = torch.tensor(calibration.offsets, dtype=torch.float32, device=self.device)
 
-    def admit(self, request: Request) -> None:
-        self.store.admit(request.request_id)
-
-    def release(self, request: Request) -> None:
-        self.store.release(request.request_id)
-
-    @torch.inference_mode()
-    def commit(self, requests: Sequence[Request], features: Sequence[torch.Tensor | None]) -> None:
-        chunk = gather_commit(self.store, requests, features, self._feature_size)
-        if chunk is not None:
-            self.store.write(
-                "kv", chunk.rows, chunk.positions, self.model.context_kv(chunk.features, chunk.positions)
-            )
+    def _write(self, chunk: CommittedChunk) -> None:
+        kv = self.model.context_kv(chunk.features, chunk.positions)
+        self.store.write("kv", chunk.rows, chunk.positions, kv)
 
     @torch.inference_mode()
     def propose(
         self, requests: Sequence[Request], sampling: SamplingTensors, horizon: int | None = None
     ) -> DraftBlock:
         lengths = check_in_sync(self.store, requests)
+        self.write_pending()
         rows = torch.tensor(self.store.rows([r.request_id for r in requests]), device=self.device)
         ctx_len = torch.tensor(lengths, device=self.device)
         ctx_kv = self.store.read("kv", rows, max(lengths))

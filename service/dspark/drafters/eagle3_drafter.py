@@ -6,29 +6,31 @@ from collections.abc import Sequence
 
 import torch
 
-from dspark.drafters.base import DraftBlock, Drafter
+from dspark.drafters.base import DraftBlock
+from dspark.drafters.context_drafter import ContextDrafter
 from dspark.drafters.context_store import ContextStore
 from dspark.drafters.draft_vocab import DraftVocab
 from dspark.drafters.eagle3_model import Eagle3Model
-from dspark.drafters.feature_batch import check_in_sync, gather_commit
+from dspark.drafters.feature_batch import CommittedChunk, check_in_sync
 from dspark.engine.request import Request
 from dspark.engine.sampler import SamplingTensors, draw
 
 
-class Eagle3Drafter(Drafter):
+class Eagle3Drafter(ContextDrafter):
     """Context entry i pairs token i+1's embedding with the target's fused feature of token i, so an
-    entry is complete only once token i+1 is known. `commit` stores fused features; `propose` first
-    runs the not-yet-processed entries (always including the last committed one, whose next token is
+    entry is complete only once token i+1 is known. Committed features are fused and stored when
+    the next block is drafted; `propose` then runs the not-yet-processed entries (always including the last committed one, whose next token is
     the anchor) in one batched causal pass, caching their K/V, then takes gamma single-token steps
     whose K/V stay local to the call."""
 
     def __init__(self, model: Eagle3Model) -> None:
+        super().__init__()
         self.model = model
         config = model.config
         self.name = "eagle3"
         self.gamma = config.gamma
         self.target_layers = tuple(config.target_layer_ids)
-        self._feature_size = len(self.target_layers) * config.target_hidden_size
+        self.feature_size = len(self.target_layers) * config.target_hidden_size
         weight = model.fc.weight
         self.device = weight.device
         self.store = ContextStore(
@@ -39,24 +41,22 @@ class Eagle3Drafter(Drafter):
         self.vocab = DraftVocab(model.draft_token_ids(), model.lm_head.weight, None, config.vocab_size)
 
     def admit(self, request: Request) -> None:
-        self.store.admit(request.request_id)
+        super().admit(request)
         self._processed[request.request_id] = 0
 
     def release(self, request: Request) -> None:
-        self.store.release(request.request_id)
+        super().release(request)
         self._processed.pop(request.request_id, None)
 
-    @torch.inference_mode()
-    def commit(self, requests: Sequence[Request], features: Sequence[torch.Tensor | None]) -> None:
-        chunk = gather_commit(self.store, requests, features, self._feature_size)
-        if chunk is not None:
-            self.store.write("hidden", chunk.rows, chunk.positions, self.model.fuse(chunk.features))
+    def _write(self, chunk: CommittedChunk) -> None:
+        self.store.write("hidden", chunk.rows, chunk.positions, self.model.fuse(chunk.features))
 
     @torch.inference_mode()
     def propose(
         self, requests: Sequence[Request], sampling: SamplingTensors, horizon: int | None = None
     ) -> DraftBlock:
         lengths = check_in_sync(self.store, requests)
+        self.write_pending()
         ids = [r.request_id for r in requests]
         rows = torch.tensor(self.store.rows(ids), device=self.device)
         hidden, ctx_k, ctx_v = self._process_pending(requests, rows, lengths)
