@@ -18,10 +18,10 @@ from dspark.engine.sampler import SamplingTensors, draw
 
 class Eagle3Drafter(ContextDrafter):
     """Context entry i pairs token i+1's embedding with the target's fused feature of token i, so an
-    entry is complete only once token i+1 is known. Committed features are fused and stored when
-    the next block is drafted; `propose` then runs the not-yet-processed entries (always including the last committed one, whose next token is
-    the anchor) in one batched causal pass, caching their K/V, then takes gamma single-token steps
-    whose K/V stay local to the call."""
+    entry is complete only once token i+1 is known. `propose` fuses and stores the features
+    committed since the last draft, runs the not-yet-processed entries (always including the last
+    committed one, whose next token is the anchor) in one batched causal pass, caching their K/V,
+    then takes gamma single-token steps whose K/V stay local to the call."""
 
     def __init__(self, model: Eagle3Model) -> None:
         super().__init__()
