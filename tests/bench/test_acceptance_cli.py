@@ -249,8 +249,17 @@ def test_bench_serve_runs_plain_decoding_without_the_drafter(tiny_dirs):
 
     from tests.engine.helpers import engine_on
 
-    base = engine_on(tiny_dirs["llama"], NgramDrafter(4), "none")
+    class PerEngineState(NgramDrafter):
+        def fresh_copy(self):
+            return PerEngineState(self.gamma)
+
+    base = engine_on(tiny_dirs["llama"], PerEngineState(4), "none")
     plain = serve.policy_engine(base, "none", build_policy("none"), 2)
     static = serve.policy_engine(base, "static:1", build_policy("static:1"), 2)
+    full = serve.policy_engine(base, "full", build_policy("full"), 2)
     assert plain.drafter.name == "none" and plain.drafter.target_layers == ()
-    assert static.drafter is base.drafter and static.config.max_num_seqs == 2
+    assert static.config.max_num_seqs == 2
+    # Each drafting policy gets its own copy: side by side, one must not do (and be timed for)
+    # another's deferred context work.
+    assert isinstance(static.drafter, PerEngineState) and isinstance(full.drafter, PerEngineState)
+    assert len({id(base.drafter), id(static.drafter), id(full.drafter)}) == 3

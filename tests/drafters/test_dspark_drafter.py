@@ -397,3 +397,18 @@ def test_deferred_context_equals_eager_across_release_and_reuse(target):
     assert deferred.pending.num_tokens == 0
     assert torch.equal(blocks[0].tokens, blocks[1].tokens)
     torch.testing.assert_close(blocks[0].confidences, blocks[1].confidences, atol=1e-5, rtol=1e-4)
+
+
+def test_fresh_copy_shares_the_weights_not_the_requests(target):
+    drafter = load_drafter(str(FIXTURE / "draft_vanilla"), target.config)
+    request = make_request("r", sequence(12, seed=5), num_cached=11)
+    drafter_with_context(drafter, target, [request])
+    copy = drafter.fresh_copy()
+    assert copy.model is drafter.model and copy.calibration is drafter.calibration
+    assert copy.store is not drafter.store and copy.pending is not drafter.pending
+    with pytest.raises(KeyError):  # the copy never saw the request
+        copy.propose([request], sampling_for([request]))
+    drafter_with_context(copy, target, [request])
+    a = drafter.propose([request], sampling_for([request]))
+    b = copy.propose([request], sampling_for([request]))
+    assert torch.equal(a.tokens, b.tokens)

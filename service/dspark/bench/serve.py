@@ -194,10 +194,12 @@ def _quantile(values: list[float], q: float) -> float:
 
 def policy_engine(base: LLMEngine, spec: str, policy, concurrency: int) -> LLMEngine:
     """The engine a policy runs on: plain decoding (`none`) without a drafter, so the baseline does
-    not pay for keeping a drafter's context it never drafts from; the others share `base`'s drafter."""
+    not pay for keeping a drafter's context it never drafts from; the others each get their own
+    copy of `base`'s drafter (same weights): with one shared, a policy drafting every step would
+    compute the context that another, skipping, had queued, and be charged its time."""
     if spec == ORACLE:
         return OracleEngine.of(base, max_num_seqs=concurrency)
-    drafter = NoDrafter() if spec == "none" else base.drafter
+    drafter = NoDrafter() if spec == "none" else base.drafter.fresh_copy()
     return base.sibling(drafter, policy, max_num_seqs=concurrency)
 
 

@@ -47,6 +47,9 @@ class RecordingDrafter(Drafter):
         self._verified: list[int] = []
         self._requests: list[str] = []
 
+    def fresh_copy(self) -> RecordingDrafter:
+        return RecordingDrafter(self.inner.fresh_copy())
+
     def admit(self, request: Request) -> None:
         self.inner.admit(request)
 

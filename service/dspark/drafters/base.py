@@ -36,6 +36,12 @@ class Drafter(ABC):
     target_layers: tuple[int, ...] = ()  # decoder layers whose outputs `commit` receives
     device: torch.device | None = None  # where `propose` puts its tensors (None: it holds none)
 
+    def fresh_copy(self) -> Drafter:
+        """A drafter over the same weights that holds no requests, for another engine on the same
+        model: engines stepped side by side must not share per-request state or deferred work.
+        Drafters without per-request state return themselves."""
+        return self
+
     def admit(self, request: Request) -> None:  # noqa: B027 - optional hook
         """A request got a KV slot."""
 

@@ -34,6 +34,7 @@ class DSparkDrafter(ContextDrafter):
         self.device = weight.device
         self.vocab = DraftVocab.of(model)
         self.store = ContextStore({"kv": model.kv_shape}, weight.device, weight.dtype)
+        self.calibration = calibration
         self._temperatures = self._offsets = None
         if calibration is not None:
             if len(calibration.temperatures) != self.gamma:
@@ -45,6 +46,9 @@ class DSparkDrafter(ContextDrafter):
             )
             if calibration.offsets is not None:
                 self._offsets = torch.tensor(calibration.offsets, dtype=torch.float32, device=self.device)
+
+    def fresh_copy(self) -> DSparkDrafter:
+        return DSparkDrafter(self.model, self.calibration)
 
     def _write(self, chunk: CommittedChunk) -> None:
         kv = self.model.context_kv(chunk.features, chunk.positions)

@@ -48,6 +48,9 @@ class Eagle3Drafter(ContextDrafter):
         super().release(request)
         self._processed.pop(request.request_id, None)
 
+    def fresh_copy(self) -> Eagle3Drafter:
+        return Eagle3Drafter(self.model)
+
     def _write(self, chunk: CommittedChunk) -> None:
         self.store.write("hidden", chunk.rows, chunk.positions, self.model.fuse(chunk.features))
 
