@@ -50,3 +50,17 @@ def test_shipped_names_resolve_under_the_target(tmp_path, monkeypatch):
     assert collect.resolve_drafter_dir(str(ckpt), "anything") == ckpt
     with pytest.raises(ValueError, match="neither a checkpoint directory"):
         collect.resolve_drafter_dir("eagle3", "smollm2-135m")
+
+
+def test_fresh_copy_records_apart():
+    from dspark.calibration.recording import RecordingDrafter
+    from dspark.drafters.ngram import NgramDrafter
+
+    class PerEngineState(NgramDrafter):
+        def fresh_copy(self):
+            return PerEngineState(self.gamma)
+
+    recorder = RecordingDrafter(PerEngineState(4))
+    copy = recorder.fresh_copy()
+    assert isinstance(copy, RecordingDrafter) and isinstance(copy.inner, PerEngineState)
+    assert copy.inner is not recorder.inner and copy.gamma == 4
