@@ -244,16 +244,12 @@ def test_bench_serve_leaves_the_oracles_probing_off_its_clock(monkeypatch):
 
 
 def test_bench_serve_runs_plain_decoding_without_the_drafter(tiny_dirs):
-    from dspark.drafters.ngram import NgramDrafter
     from dspark.policies.factory import build_policy
 
+    from tests.drafters.helpers import PerEngineNgram
     from tests.engine.helpers import engine_on
 
-    class PerEngineState(NgramDrafter):
-        def fresh_copy(self):
-            return PerEngineState(self.gamma)
-
-    base = engine_on(tiny_dirs["llama"], PerEngineState(4), "none")
+    base = engine_on(tiny_dirs["llama"], PerEngineNgram(4), "none")
     plain = serve.policy_engine(base, "none", build_policy("none"), 2)
     static = serve.policy_engine(base, "static:1", build_policy("static:1"), 2)
     full = serve.policy_engine(base, "full", build_policy("full"), 2)
@@ -261,5 +257,5 @@ def test_bench_serve_runs_plain_decoding_without_the_drafter(tiny_dirs):
     assert static.config.max_num_seqs == 2
     # Each drafting policy gets its own copy: side by side, one must not do (and be timed for)
     # another's deferred context work.
-    assert isinstance(static.drafter, PerEngineState) and isinstance(full.drafter, PerEngineState)
+    assert isinstance(static.drafter, PerEngineNgram) and isinstance(full.drafter, PerEngineNgram)
     assert len({id(base.drafter), id(static.drafter), id(full.drafter)}) == 3

@@ -54,13 +54,10 @@ def test_shipped_names_resolve_under_the_target(tmp_path, monkeypatch):
 
 def test_fresh_copy_records_apart():
     from dspark.calibration.recording import RecordingDrafter
-    from dspark.drafters.ngram import NgramDrafter
 
-    class PerEngineState(NgramDrafter):
-        def fresh_copy(self):
-            return PerEngineState(self.gamma)
+    from tests.drafters.helpers import PerEngineNgram
 
-    recorder = RecordingDrafter(PerEngineState(4))
+    recorder = RecordingDrafter(PerEngineNgram(4))
     copy = recorder.fresh_copy()
-    assert isinstance(copy, RecordingDrafter) and isinstance(copy.inner, PerEngineState)
+    assert isinstance(copy, RecordingDrafter) and isinstance(copy.inner, PerEngineNgram)
     assert copy.inner is not recorder.inner and copy.gamma == 4

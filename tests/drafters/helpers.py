@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from dspark.drafters.ngram import NgramDrafter
 from dspark.engine.request import Request
 from dspark.engine.sampler import SamplingTensors
 from dspark.engine.sampling_params import SamplingParams
@@ -53,3 +54,11 @@ def assert_same_distributions(row_probs, alone_probs, alone_tokens):
         assert torch.equal(row_probs, one_hot)
     else:
         torch.testing.assert_close(row_probs, alone_probs[0], atol=1e-5, rtol=1e-4)
+
+
+class PerEngineNgram(NgramDrafter):
+    """An n-gram drafter whose `fresh_copy` is a new instance, standing in for drafters with
+    per-request state."""
+
+    def fresh_copy(self) -> PerEngineNgram:
+        return PerEngineNgram(self.gamma)

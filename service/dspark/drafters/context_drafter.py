@@ -10,13 +10,13 @@ import torch
 
 from dspark.drafters.base import Drafter
 from dspark.drafters.context_store import ContextStore
-from dspark.drafters.feature_batch import CommittedChunk, PendingCommits, gather_commit
+from dspark.drafters.feature_batch import CommittedChunk, PendingCommits, check_in_sync, gather_commit
 from dspark.engine.request import Request
 
 
 class ContextDrafter(Drafter):
     """`commit` queues features (`PendingCommits`); `write_pending` turns them into stored context
-    in one batch, and each `propose` calls it first."""
+    in one batch, and each `propose` starts with `context_lengths`, which calls it."""
 
     store: ContextStore
     feature_size: int
@@ -43,6 +43,13 @@ class ContextDrafter(Drafter):
         chunk = self.pending.take()
         if chunk is not None:
             self._write(chunk)
+
+    def context_lengths(self, requests: Sequence[Request]) -> list[int]:
+        """Each request's committed length (checked against the target's), with every queued
+        commit written: the context `propose` drafts from."""
+        lengths = check_in_sync(self.store, requests)
+        self.write_pending()
+        return lengths
 
     @abstractmethod
     def _write(self, chunk: CommittedChunk) -> None:

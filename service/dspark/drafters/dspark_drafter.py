@@ -13,7 +13,7 @@ from dspark.drafters.context_drafter import ContextDrafter
 from dspark.drafters.context_store import ContextStore
 from dspark.drafters.draft_vocab import DraftVocab
 from dspark.drafters.dspark_model import DSparkModel
-from dspark.drafters.feature_batch import CommittedChunk, check_in_sync
+from dspark.drafters.feature_batch import CommittedChunk
 from dspark.engine.request import Request
 from dspark.engine.sampler import SamplingTensors
 
@@ -58,8 +58,7 @@ class DSparkDrafter(ContextDrafter):
     def propose(
         self, requests: Sequence[Request], sampling: SamplingTensors, horizon: int | None = None
     ) -> DraftBlock:
-        lengths = check_in_sync(self.store, requests)
-        self.write_pending()
+        lengths = self.context_lengths(requests)
         rows = torch.tensor(self.store.rows([r.request_id for r in requests]), device=self.device)
         ctx_len = torch.tensor(lengths, device=self.device)
         ctx_kv = self.store.read("kv", rows, max(lengths))

@@ -11,7 +11,7 @@ from dspark.drafters.context_drafter import ContextDrafter
 from dspark.drafters.context_store import ContextStore
 from dspark.drafters.draft_vocab import DraftVocab
 from dspark.drafters.eagle3_model import Eagle3Model
-from dspark.drafters.feature_batch import CommittedChunk, check_in_sync
+from dspark.drafters.feature_batch import CommittedChunk
 from dspark.engine.request import Request
 from dspark.engine.sampler import SamplingTensors, draw
 
@@ -58,8 +58,7 @@ class Eagle3Drafter(ContextDrafter):
     def propose(
         self, requests: Sequence[Request], sampling: SamplingTensors, horizon: int | None = None
     ) -> DraftBlock:
-        lengths = check_in_sync(self.store, requests)
-        self.write_pending()
+        lengths = self.context_lengths(requests)
         ids = [r.request_id for r in requests]
         rows = torch.tensor(self.store.rows(ids), device=self.device)
         hidden, ctx_k, ctx_v = self._process_pending(requests, rows, lengths)
