@@ -50,3 +50,46 @@ def test_bench_decode_runs_every_system_on_cuda(smollm_dir):
     results = run_decode_bench(config, {"code": ["def add(a, b):"]}, 16, 4, include_hf=False, repeats=1)
     assert {m.system for m in results} >= {"engine plain", "engine ngram (static:4)"} and len(results) == 3
     assert all(m.tokens > 0 for m in results)
+
+
+@pytest.mark.parametrize("policy", ["full", "dspark", "dspark-async"])
+def test_shipped_dspark_drafter_keeps_greedy_output_on_cuda(smollm_dir, policy):
+    """The drafter's deferred context writes, the scheduler and the ragged verify on the GPU."""
+    from dspark.drafters.ngram import NoDrafter
+    from dspark.profiling.synthetic import synthetic_profile
+
+    base = LLMEngine.from_config(
+        EngineConfig(drafter="dspark", policy="none", dtype="float32", device="cuda")
+    )
+    texts = (
+        "def fibonacci(n):",
+        "Explain why the sky is blue in two sentences.",
+        "12 * 7 =",
+        "import numpy as np\n",
+    )
+    prompts = [base.tokenizer.encode(t) for t in texts]
+    params = SamplingParams(temperature=0, max_tokens=32)
+    expected = [
+        r.token_ids for r in base.sibling(NoDrafter(), build_policy("none")).generate(prompts, params)
+    ]
+    spec = base.sibling(base.drafter, build_policy(policy, sps=synthetic_profile(max_batch_tokens=512)))
+    results = spec.generate(prompts, params)
+    assert [r.token_ids for r in results] == expected
+    assert sum(r.stats.draft_tokens for r in results) > 0
+
+
+def test_masked_gqa_attention_runs_on_the_memory_efficient_kernel():
+    """The math backend's host time per call made verification forwards slow (docs/gpu.md)."""
+    from dspark.models.sdpa import folded_gqa_attention
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(4, 9, 8, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(4, 3, 300, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    mask = torch.rand(4, 1, 8, 300, device="cuda") < 0.7
+    mask[..., 0] = True
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):  # raises if the kernel cannot take these inputs
+        out = folded_gqa_attention(q, k, v, mask)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True
+    )
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)

@@ -8,12 +8,11 @@ features once per committed token and caches them, then attends block queries ov
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
 from dspark.drafters.layers import Qwen3RMSNorm, apply_rotary
-from dspark.models.sdpa import without_cudnn_attention
+from dspark.models.sdpa import attention, without_cudnn_attention
 
 
 class DraftAttention(nn.Module):
@@ -47,11 +46,5 @@ class DraftAttention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [B, Q, H, hd], k/v [B, S, KVH, hd], mask [B, Q or 1, S] (True = attend) -> [B, Q, d]."""
         with without_cudnn_attention():
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2),
-                k.transpose(1, 2),
-                v.transpose(1, 2),
-                attn_mask=mask[:, None],
-                enable_gqa=True,
-            )
+            out = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None])
         return self.o_proj(out.transpose(1, 2).flatten(-2))

@@ -1,7 +1,10 @@
-"""Scaled dot-product attention kept off cuDNN's backend."""
+"""Scaled dot-product attention for the target and the drafters: kept off cuDNN's backend, and
+off the math backend where a mask and grouped-query attention meet on a GPU."""
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # cuDNN's SDPA plans every new shape on the host: 2-4 ms a call on an H200 (docs/gpu.md), against
@@ -13,3 +16,34 @@ _BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBack
 def without_cudnn_attention():
     """A context in which `F.scaled_dot_product_attention` never picks the cuDNN backend."""
     return sdpa_kernel(_BACKENDS)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+) -> torch.Tensor:
+    """GQA attention: q [B, H, n, hd], k/v [B, KVH, L, hd], mask [B, 1, n or 1, L] (True = attend).
+
+    With a mask on a GPU the query heads that share a KV head are folded into the query axis:
+    SDPA's memory-efficient kernel takes masks but not GQA, so `enable_gqa` with a mask falls back
+    to the math backend, a dozen kernels and about 0.35 ms of host time a call on an H200
+    (docs/gpu.md), 30 calls a verification forward.
+    """
+    if mask is not None and q.is_cuda and q.shape[1] != k.shape[1]:
+        return folded_gqa_attention(q, k, v, mask)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True)
+
+
+def folded_gqa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Masked GQA attention as SDPA over [B, KVH, group * n, hd] queries (the same result)."""
+    rows, heads, n, hd = q.shape
+    kv_heads, length = k.shape[1], k.shape[2]
+    group = heads // kv_heads  # query head h reads kv head h // group, as enable_gqa does
+    mask = mask.expand(rows, 1, n, length).repeat(1, 1, group, 1)
+    out = F.scaled_dot_product_attention(q.reshape(rows, kv_heads, group * n, hd), k, v, attn_mask=mask)
+    return out.reshape(rows, heads, n, hd)  # the memory-efficient kernel returns it sequence-major

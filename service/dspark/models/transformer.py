@@ -18,7 +18,7 @@ from dspark.engine.forward_batch import ForwardBatch, ShortGroup
 from dspark.engine.kv_cache import KVCache
 from dspark.models.config import head_dim
 from dspark.models.rotary import RotaryEmbedding, apply_rotary
-from dspark.models.sdpa import without_cudnn_attention
+from dspark.models.sdpa import attention, without_cudnn_attention
 
 
 class RMSNorm(nn.Module):
@@ -82,14 +82,14 @@ class Attention(nn.Module):
         if batch.short is not None:
             out[batch.short.tokens] = _attend_short(q, k_cache, v_cache, batch.short)
         for i in batch.long_rows:
-            lo, hi, end = batch.offsets[i], batch.offsets[i + 1], batch.starts[i] + batch.lengths[i]
-            out[lo:hi] = F.scaled_dot_product_attention(
+            lo, hi, start = batch.offsets[i], batch.offsets[i + 1], batch.starts[i]
+            end = start + batch.lengths[i]
+            out[lo:hi] = attention(
                 q[lo:hi].transpose(0, 1)[None],
                 k_cache[batch.slots[i], :, :end][None],
                 v_cache[batch.slots[i], :, :end][None],
-                is_causal=batch.starts[i] == 0,
-                attn_mask=None if batch.starts[i] == 0 else _causal_mask(batch.starts[i], hi - lo, q.device),
-                enable_gqa=True,
+                None if start == 0 else _causal_mask(start, hi - lo, q.device),
+                is_causal=start == 0,
             )[0].transpose(0, 1)
         return self.o_proj(out.reshape(t, -1))
 
@@ -100,9 +100,7 @@ def _attend_short(
     """Decode and verification rows: queries padded to [R, n_max], one attention call."""
     if isinstance(g.slots, int):  # one request: no padding, and its cache prefix is a view
         keys, values = k_cache[g.slots, :, : g.max_len][None], v_cache[g.slots, :, : g.max_len][None]
-        out = F.scaled_dot_product_attention(
-            q[g.tokens].transpose(0, 1)[None], keys, values, attn_mask=g.mask, enable_gqa=True
-        )
+        out = attention(q[g.tokens].transpose(0, 1)[None], keys, values, g.mask)
         return out[0].transpose(0, 1)
     queries = q.new_zeros(g.num_rows, g.max_new, *q.shape[1:])
     queries[g.rows, g.cols] = q[g.tokens]
@@ -110,9 +108,7 @@ def _attend_short(
     if q.device.type == "cpu":
         out = _grouped_attention(queries.transpose(1, 2), keys, values, g.mask)
     else:
-        out = F.scaled_dot_product_attention(
-            queries.transpose(1, 2), keys, values, attn_mask=g.mask, enable_gqa=True
-        )
+        out = attention(queries.transpose(1, 2), keys, values, g.mask)
     return out.transpose(1, 2)[g.rows, g.cols]
 
 
@@ -137,10 +133,9 @@ def _grouped_attention(
 
 
 def _causal_mask(start: int, n: int, device: torch.device) -> torch.Tensor:
-    return (
-        torch.arange(start + n, device=device)[None, :]
-        <= torch.arange(start, start + n, device=device)[:, None]
-    )
+    """[1, 1, n, start + n]: query i (at position start + i) sees keys 0..start + i."""
+    keys = torch.arange(start + n, device=device)
+    return (keys[None, :] <= keys[start:, None])[None, None]
 
 
 class MLP(nn.Module):
