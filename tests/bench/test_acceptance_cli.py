@@ -88,7 +88,7 @@ def test_calibrate_cli_records_rounds(tiny_pair, tmp_path):
     target, drafter = tiny_pair
     out = tmp_path / "cal"
     args = ["calibrate", str(drafter), "--target", str(target), "--domains", "code", "--num-prompts", "2"]
-    args += ["--max-tokens", "16", "--device", "cpu", "--dtype", "float32", "--check-fraction", "0"]
+    args += ["--max-tokens", "16", "--device", "cpu", "--dtype", "float32", "--folds", "0"]
     result = CliRunner().invoke(main, [*args, "--output-dir", str(out), "--no-write"])
     assert result.exit_code == 0, result.output
     assert (out / "rounds.npz").is_file() and (out / "reliability.png").is_file()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from dspark.calibration.rounds import RoundLog, confidences, cumulative_confidence
-from dspark.calibration.sts import evaluate, fit_sts
+from dspark.calibration.sts import evaluate, fit_sts, out_of_fold, request_folds
 
 from tests.calibration.synthetic import overconfident_rounds
 
@@ -95,3 +95,26 @@ def test_position_that_never_survives_keeps_temperature_near_one():
     accepted = (rng.random(500) < 1 / (1 + np.exp(-logits[:, 0]))).astype(int)  # 0 or 1, never 2+
     temperatures, _ = fit_sts(RoundLog(logits, accepted, np.full(500, 3)))
     assert 0.5 < temperatures[2] <= 1.0
+
+
+def test_request_folds_keep_requests_whole_and_spread_domains():
+    rounds = overconfident_rounds(n=3000)
+    fold = request_folds(rounds, 4)
+    for request in np.unique(rounds.request):
+        assert len(np.unique(fold[rounds.request == request])) == 1
+    for domain in np.unique(rounds.domain):
+        assert set(fold[rounds.domain == domain]) == {0, 1, 2, 3}
+
+
+def test_out_of_fold_scores_each_fold_with_a_map_fitted_without_it():
+    rounds = overconfident_rounds(n=8000)
+    held_out = out_of_fold(rounds, 4)
+    fold = request_folds(rounds, 4)
+    temperatures, _ = fit_sts(rounds.select(fold != 2))
+    np.testing.assert_allclose(
+        held_out[fold == 2], cumulative_confidence(rounds.conf_logits[fold == 2], temperatures)
+    )
+    report = evaluate(rounds, temperatures, calibrated=held_out)
+    assert all(r.ece_after <= 0.02 < r.ece_before for r in report[:3])
+    assert out_of_fold(rounds, 1) is None and out_of_fold(rounds, 0) is None
+    assert out_of_fold(rounds.select(rounds.request == rounds.request[0]), 4) is None  # one request

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
+
 from dspark.calibration.metrics import DEFAULT_BINS, expected_calibration_error, reliability_bins, roc_auc
 from dspark.calibration.rounds import RoundLog, cumulative_confidence
 
@@ -16,8 +18,10 @@ def plot_reliability(
     title: str = "",
     bins: int = DEFAULT_BINS,
     offsets: list[float] | None = None,
+    calibrated: np.ndarray | None = None,
 ) -> Path:
-    """Observed prefix survival against predicted a_k before (raw) and after calibration."""
+    """Observed prefix survival against predicted a_k before (raw) and after calibration
+    (`calibrated`, e.g. out-of-fold predictions, replaces the map's a_k)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -26,7 +30,9 @@ def plot_reliability(
     survived, observed = rounds.survival()
     curves = {
         "raw": cumulative_confidence(rounds.conf_logits),
-        "calibrated (STS)": cumulative_confidence(rounds.conf_logits, temperatures, offsets),
+        "calibrated (STS)": calibrated
+        if calibrated is not None
+        else cumulative_confidence(rounds.conf_logits, temperatures, offsets),
     }
     cols = min(4, rounds.gamma)
     rows = math.ceil(rounds.gamma / cols)

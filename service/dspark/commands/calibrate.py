@@ -34,11 +34,12 @@ from dspark.models.registry import DEFAULT_MODEL
     help="Fit on previously recorded rounds (rounds.npz) instead of running the engine.",
 )
 @click.option(
-    "--check-fraction",
-    type=float,
-    default=0.25,
+    "--folds",
+    type=click.IntRange(min=0),
+    default=4,
     show_default=True,
-    help="Share of requests held back from the fit to report ECE on unseen prompts (0 = none).",
+    help="Report held-out ECE by cross-validation over requests: each fold's rounds are scored by "
+    "a map fitted on the other folds (0: none). The written map is fitted on all rounds.",
 )
 @click.option(
     "--offsets/--no-offsets",
@@ -61,7 +62,7 @@ def calibrate(
     device,
     seed,
     rounds_path,
-    check_fraction,
+    folds,
     offsets,
     output_dir,
     no_write,
@@ -76,15 +77,13 @@ def calibrate(
     from dspark.calibration.plots import plot_reliability
     from dspark.calibration.report import format_table, write_calibration_report
     from dspark.calibration.rounds import RoundLog
-    from dspark.calibration.sts import evaluate, fit_sts
+    from dspark.calibration.sts import evaluate, fit_sts, out_of_fold
     from dspark.drafters.calibration import Calibration, drafter_id
 
     try:
         checkpoint = resolve_drafter_dir(drafter, target)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="DRAFTER") from e
-    if not 0 <= check_fraction < 1:
-        raise click.BadParameter("must lie in [0, 1)", param_hint="--check-fraction")
     output_dir = output_dir or Path("runs/calibration") / checkpoint.name
     if rounds_path is not None:
         rounds = RoundLog.load(rounds_path)
@@ -105,21 +104,28 @@ def calibrate(
     if not rounds.has_confidences:
         raise click.ClickException(f"{checkpoint} has no confidence head: nothing to calibrate")
 
-    fit_rounds, check_rounds = _split_by_request(rounds, check_fraction)
     try:
-        temperatures, fit_report = fit_sts(fit_rounds, offsets=offsets)
+        temperatures, fit_report = fit_sts(rounds, offsets=offsets)
     except ValueError as e:
         raise click.ClickException(str(e)) from e
+    try:
+        held_out = out_of_fold(rounds, folds, offsets=offsets)
+    except ValueError as e:  # a fold's complement too small to fit every position
+        held_out = None
+        click.echo(f"warning: no held-out estimate ({e}); record more rounds or lower --folds")
     biases = [r.offset for r in fit_report] if offsets else None
-    check_report = evaluate(check_rounds, temperatures, offsets=biases) if check_rounds is not None else None
+    check_report = (
+        None if held_out is None else evaluate(rounds, temperatures, offsets=biases, calibrated=held_out)
+    )
     ident = drafter_id(checkpoint)
     meta = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "checkpoint": str(checkpoint),
         "target": target,
         "rounds": len(rounds),
-        "fit_rounds": len(fit_rounds),
-        "check_rounds": len(check_rounds) if check_rounds is not None else 0,
+        "check": f"{folds}-fold cross-validation over requests (out-of-fold a_k)"
+        if held_out is not None
+        else None,
         # How the rounds were recorded; unknown here when they come from a file.
         "temperature": None if rounds_path else temperature,
         "max_tokens": None if rounds_path else max_tokens,
@@ -130,18 +136,19 @@ def calibrate(
         output_dir / "calibration-report.json", ident, fit_report, check_report, meta
     )
     plot = plot_reliability(
-        check_rounds if check_rounds is not None else fit_rounds,
+        rounds,
         temperatures,
         output_dir / "reliability.png",
-        title=f"{checkpoint.name}: cumulative survival, {'held-back check' if check_rounds is not None else 'fit'} rounds",
+        title=f"{checkpoint.name}: cumulative survival, {'out-of-fold' if held_out is not None else 'fit'} a_k",
         offsets=biases,
+        calibrated=held_out,
     )
-    click.echo(f"fit on {len(fit_rounds)} rounds:")
+    click.echo(f"fit on {len(rounds)} rounds:")
     click.echo(format_table(fit_report))
     if check_report is not None:
-        click.echo(f"check on {len(check_rounds)} held-back rounds:")
+        click.echo(f"held out ({folds}-fold cross-validation over requests):")
         click.echo(format_table(check_report))
-    worst = [r.position for r in fit_report if r.ece_after > 0.02]
+    worst = [r.position for r in check_report or fit_report if r.ece_after > 0.02]
     if worst:
         click.echo(f"warning: ECE after calibration is above 2% at positions {worst}; record more rounds")
     if not no_write:
@@ -181,22 +188,3 @@ def _record(
             )
     except (ModelError, ValueError) as e:
         raise click.ClickException(str(e)) from e
-
-
-def _split_by_request(rounds, check_fraction: float):
-    """Hold back the last `check_fraction` of each domain's requests (whole requests, so the check
-    rounds come from prompts the fit never saw); None when that leaves either side empty."""
-    import math
-
-    import numpy as np
-
-    if check_fraction == 0:
-        return rounds, None
-    check = np.zeros(len(rounds), dtype=bool)
-    for domain in np.unique(rounds.domain):
-        requests = list(dict.fromkeys(rounds.request[rounds.domain == domain].tolist()))
-        held = requests[len(requests) - math.floor(check_fraction * len(requests)) :]
-        check |= np.isin(rounds.request, held) & (rounds.domain == domain)
-    if not check.any() or check.all():
-        return rounds, None
-    return rounds.select(~check), rounds.select(check)
