@@ -91,3 +91,22 @@ def test_calibrate_refuses_bad_input(tmp_path):
     )
     assert result.exit_code != 0 and "has no confidence head" in result.output
     assert not (ckpt / "calibration.json").exists()
+
+
+def test_greedy_rounds_write_the_greedy_map_and_keep_the_sampled_one(tmp_path):
+    ckpt = copy_drafter("gated", tmp_path / "gated")
+    sampled_rounds, greedy_rounds = tmp_path / "sampled.npz", tmp_path / "greedy.npz"
+    overconfident_rounds(n=6000).save(sampled_rounds)
+    overconfident_rounds(n=6000, scale=1.0, shift=1.5, seed=2).save(greedy_rounds)
+    runs = {}
+    for name, path, temperature in (("sampled", sampled_rounds, "1.0"), ("greedy", greedy_rounds, "0")):
+        out = tmp_path / name
+        args = ["calibrate", str(ckpt), "--rounds", str(path), "--temperature", temperature, "--folds", "0"]
+        result = CliRunner().invoke(main, [*args, "--output-dir", str(out)])
+        assert result.exit_code == 0, result.output
+        runs[name] = json.loads((out / "calibration-report.json").read_text())
+    calibration = Calibration.find(ckpt, 7)
+    assert calibration.temperatures == runs["sampled"]["temperatures"]
+    assert calibration.greedy_temperatures == runs["greedy"]["temperatures"]
+    assert calibration.greedy_offsets == runs["greedy"]["offsets"] != calibration.offsets
+    assert calibration.for_temperature(0.0)[0] != calibration.for_temperature(0.8)[0]

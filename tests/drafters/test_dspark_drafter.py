@@ -163,6 +163,26 @@ def test_calibration_temperatures_scale_confidences(tmp_path, target):
         load_drafter(str(ckpt), target.config)
 
 
+def test_greedy_requests_get_the_greedy_calibration(tmp_path, target):
+    """One batch, two maps: temperature-0 rows by the greedy map, sampled rows by the other."""
+    ckpt = tmp_path / "draft"
+    shutil.copytree(FIXTURE / "draft_gated", ckpt)
+    sampled, greedy = [0.5, 1.0, 2.0, 3.0, 1.5, 4.0, 0.8], [2.0, 0.7, 1.0, 1.0, 2.5, 1.0, 1.2]
+    shift = [0.0, 0.5, 0.0, -0.5, 0.0, 0.0, 0.0]
+    Calibration(
+        drafter_id=drafter_id(ckpt), temperatures=sampled, greedy_temperatures=greedy, greedy_offsets=shift
+    ).save(ckpt)
+    drafter = load_drafter(str(ckpt), target.config)
+    logits = torch.randn(3, 7)
+    got = drafter._confidences(logits, torch.tensor([0.0, 1.0, 0.7]))
+    torch.testing.assert_close(got[0], torch.sigmoid(logits[0] / torch.tensor(greedy) + torch.tensor(shift)))
+    torch.testing.assert_close(got[1:], torch.sigmoid(logits[1:] / torch.tensor(sampled)))
+    with pytest.raises(ValueError, match="greedy temperatures must be positive and finite, one per position"):
+        Calibration(drafter_id="x", temperatures=sampled, greedy_temperatures=greedy[:3])
+    with pytest.raises(ValueError, match="greedy offsets need greedy temperatures"):
+        Calibration(drafter_id="x", temperatures=sampled, greedy_offsets=shift)
+
+
 def dflash_checkpoint(tmp_path, zlab_layout: bool):
     """The vanilla fixture's backbone saved as a DFlash checkpoint (no sequential / confidence head)."""
     ckpt = tmp_path / ("zlab" if zlab_layout else "dflash")

@@ -74,8 +74,8 @@ def threshold_sweep(
     return rows
 
 
-def summarize_domain(rounds: RoundLog, calibration: Calibration | None) -> dict:
-    """The metrics of one domain's full-block rounds."""
+def summarize_domain(rounds: RoundLog, calibration: Calibration | None, temperature: float) -> dict:
+    """The metrics of one domain's full-block rounds, sampled at `temperature`."""
     full = rounds.full_blocks()
     if len(full) == 0:
         raise ValueError("no full-block rounds recorded; raise max_tokens")
@@ -90,7 +90,7 @@ def summarize_domain(rounds: RoundLog, calibration: Calibration | None) -> dict:
     }
     if full.has_confidences:
         temperatures, offsets = (
-            (calibration.temperatures, calibration.offsets) if calibration is not None else (None, None)
+            calibration.for_temperature(temperature) if calibration is not None else (None, None)
         )
         summary["threshold_sweep"] = threshold_sweep(
             confidences(full.conf_logits, temperatures, offsets), full.accepted
@@ -107,7 +107,8 @@ def summarize_run(run: AcceptanceRun) -> dict:
     """Per-domain metrics and the macro average of tau over domains."""
     domains = list(dict.fromkeys(run.rounds.domain.tolist()))
     per_domain = {
-        d: summarize_domain(run.rounds.select(run.rounds.domain == d), run.calibration) for d in domains
+        d: summarize_domain(run.rounds.select(run.rounds.domain == d), run.calibration, run.temperature)
+        for d in domains
     }
     return {
         "drafter": run.label,

@@ -19,7 +19,12 @@ from dspark.models.registry import DEFAULT_MODEL
 )
 @click.option("--max-tokens", type=int, default=128, show_default=True)
 @click.option(
-    "--temperature", type=float, default=1.0, show_default=True, help="Sampling temperature of the rounds."
+    "--temperature",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="Sampling temperature of the rounds (also with --rounds). 0 fits the map for greedy "
+    "requests, anything else the map for sampled ones; calibration.json keeps the other map.",
 )
 @click.option("--max-num-seqs", type=int, default=16, show_default=True, help="Requests decoded together.")
 @click.option(
@@ -78,7 +83,7 @@ def calibrate(
     from dspark.calibration.report import format_table, write_calibration_report
     from dspark.calibration.rounds import RoundLog
     from dspark.calibration.sts import evaluate, fit_sts, out_of_fold
-    from dspark.drafters.calibration import Calibration, drafter_id
+    from dspark.drafters.calibration import drafter_id
 
     try:
         checkpoint = resolve_drafter_dir(drafter, target)
@@ -127,7 +132,7 @@ def calibrate(
         if held_out is not None
         else None,
         # How the rounds were recorded; unknown here when they come from a file.
-        "temperature": None if rounds_path else temperature,
+        "temperature": temperature,
         "max_tokens": None if rounds_path else max_tokens,
         "num_prompts": None if rounds_path else num_prompts,
         "source": str(rounds_path) if rounds_path else "engine",
@@ -152,8 +157,10 @@ def calibrate(
     if worst:
         click.echo(f"warning: ECE after calibration is above 2% at positions {worst}; record more rounds")
     if not no_write:
-        Calibration(drafter_id=ident, temperatures=temperatures, offsets=biases).save(checkpoint)
-        click.echo(f"wrote {checkpoint / 'calibration.json'}")
+        _merged(checkpoint, ident, temperature == 0, temperatures, biases).save(checkpoint)
+        click.echo(
+            f"wrote the {'greedy' if temperature == 0 else 'sampled'} map to {checkpoint / 'calibration.json'}"
+        )
     click.echo(f"saved {report} and {plot}")
 
 
@@ -188,3 +195,19 @@ def _record(
             )
     except (ModelError, ValueError) as e:
         raise click.ClickException(str(e)) from e
+
+
+def _merged(checkpoint, ident: str, greedy: bool, temperatures: list[float], offsets: list[float] | None):
+    """This fit's map in place of the same kind's in the drafter's calibration.json, the other kind
+    kept (a file for another drafter is replaced whole; a greedy map alone leaves sampled rows raw)."""
+    from dspark.drafters.calibration import Calibration
+
+    try:
+        existing = Calibration.find(checkpoint, len(temperatures))
+    except ValueError:
+        existing = None
+    if greedy:
+        base = existing or Calibration(drafter_id=ident, temperatures=[1.0] * len(temperatures))
+        return base.model_copy(update={"greedy_temperatures": temperatures, "greedy_offsets": offsets})
+    update = {"drafter_id": ident, "temperatures": temperatures, "offsets": offsets}
+    return existing.model_copy(update=update) if existing else Calibration(**update)

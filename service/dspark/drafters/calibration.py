@@ -33,21 +33,48 @@ def drafter_id(checkpoint_dir: str | Path) -> str:
 
 
 class Calibration(BaseModel):
-    """c_k = sigmoid(logit_k / T_k + b_k), one T (and b, 0 when absent) per block position."""
+    """c_k = sigmoid(logit_k / T_k + b_k), one T (and b, 0 when absent) per block position.
+
+    `temperatures` / `offsets` are fitted on sampled rounds and serve every request with a
+    sampling temperature above 0; `greedy_temperatures` / `greedy_offsets`, when present, are
+    fitted on greedy rounds (a greedy draft token survives only as the target's argmax, so the
+    same head is calibrated differently there) and serve temperature-0 requests.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     drafter_id: str
     temperatures: list[float] = Field(min_length=1)
     offsets: list[float] | None = None
+    greedy_temperatures: list[float] | None = None
+    greedy_offsets: list[float] | None = None
 
     def model_post_init(self, _context: object) -> None:
-        if not all(math.isfinite(t) and t > 0 for t in self.temperatures):
-            raise ValueError(f"calibration temperatures must be positive and finite, got {self.temperatures}")
-        if self.offsets is not None and (
-            len(self.offsets) != len(self.temperatures) or not all(math.isfinite(b) for b in self.offsets)
+        for name, temperatures, offsets in (
+            ("", self.temperatures, self.offsets),
+            ("greedy ", self.greedy_temperatures, self.greedy_offsets),
         ):
-            raise ValueError("calibration offsets must be finite, one per temperature")
+            if temperatures is None:
+                if offsets is not None:
+                    raise ValueError(f"calibration {name}offsets need {name}temperatures")
+                continue
+            if len(temperatures) != len(self.temperatures) or not all(
+                math.isfinite(t) and t > 0 for t in temperatures
+            ):
+                raise ValueError(
+                    f"calibration {name}temperatures must be positive and finite, one per position, "
+                    f"got {temperatures}"
+                )
+            if offsets is not None and (
+                len(offsets) != len(temperatures) or not all(math.isfinite(b) for b in offsets)
+            ):
+                raise ValueError(f"calibration {name}offsets must be finite, one per temperature")
+
+    def for_temperature(self, temperature: float) -> tuple[list[float], list[float] | None]:
+        """The (temperatures, offsets) that serve requests sampled at `temperature`."""
+        if temperature == 0 and self.greedy_temperatures is not None:
+            return self.greedy_temperatures, self.greedy_offsets
+        return self.temperatures, self.offsets
 
     @classmethod
     def find(cls, checkpoint_dir: str | Path, gamma: int) -> Calibration | None:

@@ -35,17 +35,17 @@ class DSparkDrafter(ContextDrafter):
         self.vocab = DraftVocab.of(model)
         self.store = ContextStore({"kv": model.kv_shape}, weight.device, weight.dtype)
         self.calibration = calibration
-        self._temperatures = self._offsets = None
+        self._temps = self._shift = None  # [2, gamma]: row 0 serves sampled requests, row 1 greedy
         if calibration is not None:
             if len(calibration.temperatures) != self.gamma:
                 raise ValueError(
                     f"calibration has {len(calibration.temperatures)} temperatures, gamma is {self.gamma}"
                 )
-            self._temperatures = torch.tensor(
-                calibration.temperatures, dtype=torch.float32, device=self.device
+            maps = [calibration.for_temperature(1.0), calibration.for_temperature(0.0)]
+            self._temps = torch.tensor([temps for temps, _ in maps], device=self.device)
+            self._shift = torch.tensor(
+                [offsets or [0.0] * self.gamma for _, offsets in maps], device=self.device
             )
-            if calibration.offsets is not None:
-                self._offsets = torch.tensor(calibration.offsets, dtype=torch.float32, device=self.device)
 
     def fresh_copy(self) -> DSparkDrafter:
         return DSparkDrafter(self.model, self.calibration)
@@ -68,14 +68,14 @@ class DSparkDrafter(ContextDrafter):
         # only the vocabulary-sized heads are skipped.
         hidden = self.model.block_hidden(anchor, ctx_len, ctx_kv, ctx_mask)[:, :horizon]
         tokens, probs, conf_logits = sample_block(self.model, hidden, anchor, sampling, self.vocab)
-        return DraftBlock(tokens, probs, self._confidences(conf_logits))
+        return DraftBlock(tokens, probs, self._confidences(conf_logits, sampling.temperature))
 
-    def _confidences(self, logits: torch.Tensor | None) -> torch.Tensor | None:
+    def _confidences(self, logits: torch.Tensor | None, temperature: torch.Tensor) -> torch.Tensor | None:
+        """Calibrated c_k [R, n]: each row by the map for its sampling temperature (greedy or not)."""
         if logits is None:
             return None
         logits = logits.float()
-        if self._temperatures is not None:
-            logits = logits / self._temperatures[: logits.shape[1]]
-        if self._offsets is not None:
-            logits = logits + self._offsets[: logits.shape[1]]
+        if self._temps is not None:
+            n, greedy = logits.shape[1], (temperature == 0).long()
+            logits = logits / self._temps[greedy, :n] + self._shift[greedy, :n]
         return torch.sigmoid(logits)
