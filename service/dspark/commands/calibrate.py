@@ -131,8 +131,8 @@ def calibrate(
         "check": f"{folds}-fold cross-validation over requests (out-of-fold a_k)"
         if held_out is not None
         else None,
+        "temperature": temperature,  # recorded at, or declared for --rounds: which map this is
         # How the rounds were recorded; unknown here when they come from a file.
-        "temperature": temperature,
         "max_tokens": None if rounds_path else max_tokens,
         "num_prompts": None if rounds_path else num_prompts,
         "source": str(rounds_path) if rounds_path else "engine",
