@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dspark.drafters.ngram import NgramDrafter
+from dspark.drafters.ngram import NgramDrafter, NoDrafter
 from dspark.engine.config import EngineConfig
 from dspark.engine.llm_engine import LLMEngine
 from dspark.engine.sampling_params import SamplingParams
+from dspark.models.sdpa import folded_gqa_attention
 from dspark.policies.factory import build_policy
+from dspark.profiling.synthetic import synthetic_profile
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device (runs on GPU machines)"
@@ -55,9 +58,6 @@ def test_bench_decode_runs_every_system_on_cuda(smollm_dir):
 @pytest.mark.parametrize("policy", ["full", "dspark", "dspark-async"])
 def test_shipped_dspark_drafter_keeps_greedy_output_on_cuda(smollm_dir, policy):
     """The drafter's deferred context writes, the scheduler and the ragged verify on the GPU."""
-    from dspark.drafters.ngram import NoDrafter
-    from dspark.profiling.synthetic import synthetic_profile
-
     base = LLMEngine.from_config(
         EngineConfig(drafter="dspark", policy="none", dtype="float32", device="cuda")
     )
@@ -80,9 +80,6 @@ def test_shipped_dspark_drafter_keeps_greedy_output_on_cuda(smollm_dir, policy):
 
 def test_masked_gqa_attention_runs_on_the_memory_efficient_kernel():
     """The math backend's host time per call made verification forwards slow (docs/gpu.md)."""
-    from dspark.models.sdpa import folded_gqa_attention
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     q = torch.randn(4, 9, 8, 64, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(4, 3, 300, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     mask = torch.rand(4, 1, 8, 300, device="cuda") < 0.7

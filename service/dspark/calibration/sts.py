@@ -118,7 +118,7 @@ def out_of_fold(
     for f in np.unique(fold):
         held = fold == f
         temperatures, reports = fit_sts(rounds.select(~held), bins=bins, offsets=offsets)
-        shifts = [r.offset for r in reports] if offsets else None
+        shifts = [r.offset for r in reports]  # all 0 without offsets
         calibrated[held] = cumulative_confidence(rounds.conf_logits[held], temperatures, shifts)
     return calibrated
 

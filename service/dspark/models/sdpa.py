@@ -37,13 +37,23 @@ def attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True)
 
 
+def fold_query_heads(
+    q: torch.Tensor, mask: torch.Tensor | None, kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """q [B, H, n, hd] and mask [B, 1, n or 1, L] as [B, KVH, group * n, hd] and [B, 1, group * n, L]:
+    each KV head's query heads stacked along the query axis (query head h reads kv head h // group,
+    as enable_gqa does), so plain attention over the KV heads computes GQA."""
+    rows, heads, n, hd = q.shape
+    group = heads // kv_heads
+    if mask is not None:
+        mask = mask.expand(rows, 1, n, mask.shape[-1]).repeat(1, 1, group, 1)
+    return q.reshape(rows, kv_heads, group * n, hd), mask
+
+
 def folded_gqa_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
-    """Masked GQA attention as SDPA over [B, KVH, group * n, hd] queries (the same result)."""
-    rows, heads, n, hd = q.shape
-    kv_heads, length = k.shape[1], k.shape[2]
-    group = heads // kv_heads  # query head h reads kv head h // group, as enable_gqa does
-    mask = mask.expand(rows, 1, n, length).repeat(1, 1, group, 1)
-    out = F.scaled_dot_product_attention(q.reshape(rows, kv_heads, group * n, hd), k, v, attn_mask=mask)
-    return out.reshape(rows, heads, n, hd)  # the memory-efficient kernel returns it sequence-major
+    """Masked GQA attention as SDPA over folded query heads (`fold_query_heads`; the same result)."""
+    queries, mask = fold_query_heads(q, mask, k.shape[1])
+    out = F.scaled_dot_product_attention(queries, k, v, attn_mask=mask)
+    return out.reshape(q.shape)  # the memory-efficient kernel returns it sequence-major

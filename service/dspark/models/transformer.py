@@ -18,7 +18,7 @@ from dspark.engine.forward_batch import ForwardBatch, ShortGroup
 from dspark.engine.kv_cache import KVCache
 from dspark.models.config import head_dim
 from dspark.models.rotary import RotaryEmbedding, apply_rotary
-from dspark.models.sdpa import attention, without_cudnn_attention
+from dspark.models.sdpa import attention, fold_query_heads, without_cudnn_attention
 
 
 class RMSNorm(nn.Module):
@@ -120,16 +120,12 @@ def _grouped_attention(
     q [R, H, n, hd], k/v [R, KVH, L, hd], mask [R, 1, n, L]. On CPU, SDPA's flash kernel is
     about 8x slower than this for the few-query, many-row shapes of decode and verification.
     """
-    rows, heads, n, hd = q.shape
-    kv_heads, length = k.shape[1], k.shape[2]
-    group = heads // kv_heads  # query head h reads kv head h // group, as enable_gqa does
-    scores = torch.matmul(q.reshape(rows, kv_heads, group * n, hd), k.transpose(-1, -2)).float()
-    scores = scores * hd**-0.5
+    queries, mask = fold_query_heads(q, mask, k.shape[1])
+    scores = torch.matmul(queries, k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
     if mask is not None:
-        wide = mask[:, :, None].expand(rows, 1, group, n, length).reshape(rows, 1, group * n, length)
-        scores = scores.masked_fill(~wide, float("-inf"))
+        scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.matmul(probs, v).reshape(rows, heads, n, hd)
+    return torch.matmul(probs, v).reshape(q.shape)
 
 
 def _causal_mask(start: int, n: int, device: torch.device) -> torch.Tensor:
