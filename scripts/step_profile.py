@@ -1,5 +1,6 @@
-"""Where an engine step's time goes: step and forward times per policy and concurrency, and a
-torch.profiler table of the busiest operators at the highest concurrency.
+"""Where an engine step's time goes: step and forward times and kernels (computing operators) per
+step for each policy and concurrency, and a torch.profiler table of the busiest operators at the
+highest concurrency.
 
 Usage: python scripts/step_profile.py --device cuda --out runs/gpu/steps [--target DIR_OR_NAME]
 """
@@ -16,6 +17,7 @@ from dspark.engine.config import EngineConfig
 from dspark.engine.llm_engine import LLMEngine
 from dspark.engine.sampling_params import SamplingParams
 from dspark.policies.factory import build_policy
+from dspark.profiling.operators import OperatorCount
 from dspark.profiling.profiler import sync
 from torch.profiler import ProfilerActivity, profile
 
@@ -60,7 +62,13 @@ def main() -> None:
                 forward += engine.last_step_stats.forward_time_s
             sync(base.device)
             step = (time.perf_counter() - start) / args.steps
-            results[f"{policy}@{c}"] = {"step_ms": step * 1e3, "forward_ms": forward / args.steps * 1e3}
+            with OperatorCount() as ops:
+                engine.step()
+            results[f"{policy}@{c}"] = {
+                "step_ms": step * 1e3,
+                "forward_ms": forward / args.steps * 1e3,
+                "kernels_per_step": ops.computing,
+            }
             print(policy, c, results[f"{policy}@{c}"], flush=True)
             if c == levels[-1]:
                 activities = [ProfilerActivity.CPU]

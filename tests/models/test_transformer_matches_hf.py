@@ -76,6 +76,27 @@ def test_ragged_batch_equals_per_request_forward(tiny_dirs):
         assert (a - m).abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("new_tokens", [1, 4])
+def test_equal_length_rows_equal_per_request_forward(tiny_dirs, new_tokens):
+    """Decode (1 token each) and uniform verification rows take the unpadded batched path."""
+    model = load_target_model(tiny_dirs["qwen3"], torch.float32, CPU)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (9, 17, 5)]
+    follow = [torch.randint(0, 64, (new_tokens,), generator=g).tolist() for _ in prompts]
+    alone = []
+    for p, f in zip(prompts, follow, strict=True):
+        cache = new_cache(model)
+        forward(model, cache, [(0, 0, p)])
+        alone.append(forward(model, cache, [(0, len(p), f)])[0])
+    cache = new_cache(model)
+    forward(model, cache, [(s, 0, p) for s, p in zip((2, 0, 3), prompts, strict=True)])
+    chunks = [(s, len(p), f) for s, p, f in zip((2, 0, 3), prompts, follow, strict=True)]
+    batch = ForwardBatch.build([2, 0, 3], [len(p) for p in prompts], [new_tokens] * 3, [0], CPU)
+    assert batch.short.dense and not batch.long_rows
+    for a, m in zip(alone, forward(model, cache, chunks), strict=True):
+        assert (a - m).abs().max().item() <= 1e-4
+
+
 def test_rollback_overwrites_rejected_positions(tiny_dirs):
     """After rejected tokens, rewriting from an earlier position gives fresh-context logits."""
     model = load_target_model(tiny_dirs["llama"], torch.float32, CPU)

@@ -64,8 +64,8 @@ class OracleEngine(LLMEngine):
         would."""
         width = max(draft.lengths)
         forward = self.runner.run(StepPlan(decodes=list(decodes)), draft_lists(draft), ())
+        logits = verification_logits(forward.output.logits, forward.logit_starts, draft.lengths, width)
         lengths = torch.tensor(draft.lengths, device=self.device)
-        logits = verification_logits(forward.output.logits, forward.logit_starts, lengths, width)
         accepted, _ = verify_greedy(draft.block.tokens[:, :width], logits.argmax(-1), lengths)
         return accepted.tolist()
 

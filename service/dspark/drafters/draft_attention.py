@@ -11,7 +11,8 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from dspark.drafters.layers import Qwen3RMSNorm, apply_rotary
+from dspark.drafters.layers import Qwen3RMSNorm
+from dspark.models.rotary import apply_rotary
 from dspark.models.sdpa import attention, without_cudnn_attention
 
 

@@ -17,7 +17,8 @@ from dspark.drafters.config import DraftConfig
 from dspark.drafters.draft_attention import DraftAttention
 from dspark.drafters.draft_vocab import d2t_offsets, token_ids
 from dspark.drafters.heads import ConfidenceHead, SequentialHead, make_sequential_head
-from dspark.drafters.layers import Qwen3RMSNorm, RotaryEmbedding, make_mlp
+from dspark.drafters.layers import Qwen3RMSNorm, make_mlp
+from dspark.models.rotary import RotaryEmbedding
 
 
 class DSparkDecoderLayer(nn.Module):

@@ -21,7 +21,8 @@ from torch import nn
 from dspark.drafters.config import DraftConfig
 from dspark.drafters.draft_attention import DraftAttention
 from dspark.drafters.draft_vocab import token_ids
-from dspark.drafters.layers import Qwen3RMSNorm, RotaryEmbedding, make_mlp
+from dspark.drafters.layers import Qwen3RMSNorm, make_mlp
+from dspark.models.rotary import RotaryEmbedding
 
 NO_QK_NORM_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
 

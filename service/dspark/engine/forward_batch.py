@@ -23,6 +23,8 @@ class ShortGroup:
     max_new: int
     max_len: int  # longest cache prefix attended (start + n)
     mask: torch.Tensor | None  # [R_s, 1, n_max, max_len] bool; None when nothing needs masking
+    covers_all: bool  # the group is the whole batch: its tokens are 0..T-1 in order
+    dense: bool  # covers_all, and every row has n_max tokens: the padded layout is a view of them
 
 
 @dataclass
@@ -67,7 +69,7 @@ class ForwardBatch:
             positions=positions.to(device),
             token_slots=torch.tensor(slots, dtype=torch.int64)[request_of_token].to(device),
             logit_rows=torch.tensor(logit_rows, dtype=torch.int64, device=device),
-            short=_short_group(short_ids, slots, starts_t, lengths_t, offsets_t, device)
+            short=_short_group(short_ids, slots, starts_t, lengths_t, offsets_t, device, len(lengths))
             if short_ids
             else None,
             long_rows=[i for i, n in enumerate(lengths) if n > SHORT_ROW_TOKENS],
@@ -85,6 +87,7 @@ def _short_group(
     lengths: torch.Tensor,
     offsets: torch.Tensor,
     device,
+    num_requests: int,
 ) -> ShortGroup:
     idx = torch.tensor(ids, dtype=torch.int64)
     n, s = lengths[idx], starts[idx]
@@ -108,4 +111,6 @@ def _short_group(
         max_new=max_new,
         max_len=max_len,
         mask=mask,
+        covers_all=len(ids) == num_requests,
+        dense=len(ids) == num_requests and max_new * len(ids) == len(tokens),
     )

@@ -249,7 +249,9 @@ class LLMEngine:
         if decodes:
             gamma_max = max(draft.lengths)
             lengths = torch.tensor(draft.lengths, device=self.device)
-            row_logits = verification_logits(logits, forward.logit_starts[: len(decodes)], lengths, gamma_max)
+            row_logits = verification_logits(
+                logits, forward.logit_starts[: len(decodes)], draft.lengths, gamma_max
+            )
             num_accepted, next_tokens = self._verify(decodes, draft, row_logits, lengths, gamma_max)
             accepted, nexts = num_accepted.tolist(), next_tokens.tolist()
             drafted = draft.block.tokens[:, :gamma_max].tolist()
@@ -384,13 +386,17 @@ class LLMEngine:
 
 
 def verification_logits(
-    logits: torch.Tensor, starts: list[int], lengths: torch.Tensor, width: int
+    logits: torch.Tensor, starts: list[int], lengths: list[int], width: int
 ) -> torch.Tensor:
     """[R, width + 1, V]: each decode's logits at its anchor and verified drafts (rows past its own
     length repeat its last one)."""
+    if all(n == width for n in lengths) and starts == list(range(0, len(starts) * (width + 1), width + 1)):
+        # Every decode verified `width` drafts (plain decoding always): its rows are in place.
+        return logits[: len(starts) * (width + 1)].view(len(starts), width + 1, -1)
     rows = torch.tensor(starts, device=logits.device)[:, None]
     steps = torch.arange(width + 1, device=logits.device)[None, :]
-    return logits[rows + torch.minimum(steps, lengths[:, None])]
+    limits = torch.tensor(lengths, device=logits.device)[:, None]
+    return logits[rows + torch.minimum(steps, limits)]
 
 
 def draft_lists(draft: Draft) -> list[list[int]]:

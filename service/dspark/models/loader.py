@@ -10,7 +10,6 @@ from safetensors.torch import load_file
 
 from dspark.models.config import load_target_config
 from dspark.models.pull import ModelError
-from dspark.models.rotary import RotaryEmbedding
 from dspark.models.transformer import DecoderModel
 
 
@@ -52,7 +51,7 @@ def load_target_model(model_dir: Path, dtype: torch.dtype, device: torch.device)
     state = load_state_dict(model_dir)
     if config.tie_word_embeddings or "lm_head.weight" not in state:
         state["lm_head.weight"] = state.get("model.embed_tokens.weight", state.get("lm_head.weight"))
-    expected = [k for k in model.state_dict() if not k.startswith("rotary.")]
+    expected = list(model.state_dict())
     wanted = {name for key in expected for name in checkpoint_names(key)}
     missing = sorted(wanted - state.keys())
     unexpected = sorted(k for k in state.keys() - wanted if "rotary_emb" not in k)
@@ -68,5 +67,4 @@ def load_target_model(model_dir: Path, dtype: torch.dtype, device: torch.device)
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.rotary = RotaryEmbedding(config).to(device)
     return model.eval()

@@ -22,7 +22,11 @@ from dspark.models.sdpa import attention, fold_query_heads, without_cudnn_attent
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, as the reference implementations do."""
+    """RMSNorm computed in float32, as the reference implementations do.
+
+    `F.rms_norm` is one fused kernel on CUDA instead of six; on the CPU it is the reference's
+    arithmetic, bit for bit.
+    """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -30,10 +34,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -58,26 +59,20 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, cache: KVCache
     ) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(
-            [
-                self.num_heads * self.head_dim,
-                self.num_kv_heads * self.head_dim,
-                self.num_kv_heads * self.head_dim,
-            ],
-            -1,
-        )
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        t, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
+        qk, v = self.qkv_proj(x).split([(heads + kv_heads) * self.head_dim, kv_heads * self.head_dim], -1)
+        qk, v = qk.view(t, heads + kv_heads, self.head_dim), v.view(t, kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), 1)
+        # Queries and keys side by side: one rotation for both.
+        q, k = apply_rotary(qk, cos, sin).split([heads, kv_heads], 1)
 
         k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
         k_cache[batch.token_slots, :, batch.positions] = k
         v_cache[batch.token_slots, :, batch.positions] = v
 
+        if batch.short is not None and batch.short.covers_all:
+            return self.o_proj(_attend_short(q, k_cache, v_cache, batch.short).reshape(t, -1))
         out = torch.empty_like(q)
         if batch.short is not None:
             out[batch.short.tokens] = _attend_short(q, k_cache, v_cache, batch.short)
@@ -100,16 +95,21 @@ def _attend_short(
     """Decode and verification rows: queries padded to [R, n_max], one attention call."""
     if isinstance(g.slots, int):  # one request: no padding, and its cache prefix is a view
         keys, values = k_cache[g.slots, :, : g.max_len][None], v_cache[g.slots, :, : g.max_len][None]
-        out = attention(q[g.tokens].transpose(0, 1)[None], keys, values, g.mask)
+        queries = q if g.covers_all else q[g.tokens]
+        out = attention(queries.transpose(0, 1)[None], keys, values, g.mask)
         return out[0].transpose(0, 1)
-    queries = q.new_zeros(g.num_rows, g.max_new, *q.shape[1:])
-    queries[g.rows, g.cols] = q[g.tokens]
+    if g.dense:  # rows of equal length: no padding to scatter into or gather back from
+        queries = q.view(g.num_rows, g.max_new, *q.shape[1:])
+    else:
+        queries = q.new_zeros(g.num_rows, g.max_new, *q.shape[1:])
+        queries[g.rows, g.cols] = q[g.tokens]
     keys, values = k_cache[g.slots, :, : g.max_len], v_cache[g.slots, :, : g.max_len]
     if q.device.type == "cpu":
         out = _grouped_attention(queries.transpose(1, 2), keys, values, g.mask)
     else:
         out = attention(queries.transpose(1, 2), keys, values, g.mask)
-    return out.transpose(1, 2)[g.rows, g.cols]
+    out = out.transpose(1, 2)
+    return out.reshape(-1, *q.shape[1:]) if g.dense else out[g.rows, g.cols]
 
 
 def _grouped_attention(
@@ -123,7 +123,7 @@ def _grouped_attention(
     queries, mask = fold_query_heads(q, mask, k.shape[1])
     scores = torch.matmul(queries, k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = torch.where(mask, scores, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(probs, v).reshape(q.shape)
 
