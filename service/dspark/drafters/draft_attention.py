@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from dspark.drafters.layers import Qwen3RMSNorm
+from dspark.models.norm import RMSNorm
 from dspark.models.rotary import apply_rotary
 from dspark.models.sdpa import attention, without_cudnn_attention
 
@@ -28,8 +28,8 @@ class DraftAttention(nn.Module):
         self.k_proj = nn.Linear(d_in, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(d_in, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
-        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps) if qk_norm else nn.Identity()
-        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps) if qk_norm else nn.Identity()
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else nn.Identity()
 
     def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [..., S, d_in] -> rotated queries [..., S, H, hd]."""

@@ -17,7 +17,8 @@ from dspark.drafters.config import DraftConfig
 from dspark.drafters.draft_attention import DraftAttention
 from dspark.drafters.draft_vocab import d2t_offsets, token_ids
 from dspark.drafters.heads import ConfidenceHead, SequentialHead, make_sequential_head
-from dspark.drafters.layers import Qwen3RMSNorm, make_mlp
+from dspark.drafters.layers import make_mlp
+from dspark.models.norm import RMSNorm
 from dspark.models.rotary import RotaryEmbedding
 
 
@@ -26,8 +27,8 @@ class DSparkDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = DraftAttention(config)
         self.mlp = make_mlp(config)
-        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self,
@@ -64,9 +65,9 @@ class DSparkModel(nn.Module):
         self.embed_tokens = nn.Embedding(vocab, d)
         self.lm_head = nn.Linear(d, vocab, bias=False)
         self.fc = nn.Linear(len(config.target_layer_ids) * config.target_hidden_size, d, bias=False)
-        self.hidden_norm = Qwen3RMSNorm(d, eps=lc.rms_norm_eps)
+        self.hidden_norm = RMSNorm(d, lc.rms_norm_eps)
         self.layers = nn.ModuleList(DSparkDecoderLayer(lc) for _ in range(lc.num_hidden_layers))
-        self.norm = Qwen3RMSNorm(d, eps=lc.rms_norm_eps)
+        self.norm = RMSNorm(d, lc.rms_norm_eps)
         self.markov_head: SequentialHead | None = None
         if config.markov_head_type is not None:
             rows = config.draft_vocab_size if config.markov_draft_vocab else None

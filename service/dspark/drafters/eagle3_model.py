@@ -21,7 +21,8 @@ from torch import nn
 from dspark.drafters.config import DraftConfig
 from dspark.drafters.draft_attention import DraftAttention
 from dspark.drafters.draft_vocab import token_ids
-from dspark.drafters.layers import Qwen3RMSNorm, make_mlp
+from dspark.drafters.layers import make_mlp
+from dspark.models.norm import RMSNorm
 from dspark.models.rotary import RotaryEmbedding
 
 NO_QK_NORM_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
@@ -33,9 +34,9 @@ class Eagle3Layer(nn.Module):
         d = config.hidden_size
         self.self_attn = DraftAttention(config, input_size=2 * d, qk_norm=qk_norm)
         self.mlp = make_mlp(config)
-        self.hidden_norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
-        self.input_layernorm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(d, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(d, config.rms_norm_eps)
 
     def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
@@ -60,7 +61,7 @@ class Eagle3Model(nn.Module):
         self.embed_tokens = nn.Embedding(vocab, d)
         self.fc = nn.Linear(len(config.target_layer_ids) * config.target_hidden_size, d, bias=False)
         self.midlayer = Eagle3Layer(lc, qk_norm=config.architecture not in NO_QK_NORM_ARCHITECTURES)
-        self.norm = Qwen3RMSNorm(d, eps=lc.rms_norm_eps)
+        self.norm = RMSNorm(d, lc.rms_norm_eps)
         self.lm_head = nn.Linear(d, draft_vocab, bias=False)
         if draft_vocab != vocab:
             self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))

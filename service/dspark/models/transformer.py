@@ -17,24 +17,9 @@ from transformers import PretrainedConfig
 from dspark.engine.forward_batch import ForwardBatch, ShortGroup
 from dspark.engine.kv_cache import KVCache
 from dspark.models.config import head_dim
+from dspark.models.norm import RMSNorm
 from dspark.models.rotary import RotaryEmbedding, apply_rotary
 from dspark.models.sdpa import attention, fold_query_heads, without_cudnn_attention
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm computed in float32, as the reference implementations do.
-
-    `F.rms_norm` is one fused kernel on CUDA instead of six; on the CPU it is the reference's
-    arithmetic, bit for bit.
-    """
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
