@@ -6,8 +6,6 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
 
-__all__ = ["Qwen3MLP"]
-
 
 def make_mlp(config: PretrainedConfig) -> nn.Module:
     return Qwen3MLP(config)
