@@ -77,8 +77,13 @@ def test_ragged_batch_equals_per_request_forward(tiny_dirs):
 
 
 @pytest.mark.parametrize("new_tokens", [1, 4])
-def test_equal_length_rows_equal_per_request_forward(tiny_dirs, new_tokens):
-    """Decode (1 token each) and uniform verification rows take the unpadded batched path."""
+@pytest.mark.parametrize(
+    ("slots", "read"),
+    [((0, 1, 2), "view, in order"), ((2, 0, 3), "view, permuted"), ((0, 5, 11), "gathered")],
+)
+def test_batched_rows_equal_per_request_forward(tiny_dirs, new_tokens, slots, read):
+    """Decode and uniform verification rows over slots read in place (in order: no padding at
+    all; permuted, with a slot outside the group: padding rows) or gathered (slots spread out)."""
     model = load_target_model(tiny_dirs["qwen3"], torch.float32, CPU)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (9, 17, 5)]
@@ -88,11 +93,12 @@ def test_equal_length_rows_equal_per_request_forward(tiny_dirs, new_tokens):
         cache = new_cache(model)
         forward(model, cache, [(0, 0, p)])
         alone.append(forward(model, cache, [(0, len(p), f)])[0])
-    cache = new_cache(model)
-    forward(model, cache, [(s, 0, p) for s, p in zip((2, 0, 3), prompts, strict=True)])
-    chunks = [(s, len(p), f) for s, p, f in zip((2, 0, 3), prompts, follow, strict=True)]
-    batch = ForwardBatch.build([2, 0, 3], [len(p) for p in prompts], [new_tokens] * 3, [0], CPU)
-    assert batch.short.dense and not batch.long_rows
+    cache = new_cache(model, slots=12)
+    forward(model, cache, [(s, 0, p) for s, p in zip(slots, prompts, strict=True)])
+    chunks = [(s, len(p), f) for s, p, f in zip(slots, prompts, follow, strict=True)]
+    group = ForwardBatch.build(list(slots), [len(p) for p in prompts], [new_tokens] * 3, [0], CPU).short
+    assert isinstance(group.slots, slice) == read.startswith("view")
+    assert group.dense == (read != "view, permuted")  # gathered rows are in request order
     for a, m in zip(alone, forward(model, cache, chunks), strict=True):
         assert (a - m).abs().max().item() <= 1e-4
 

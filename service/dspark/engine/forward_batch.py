@@ -9,22 +9,27 @@ import torch
 # Requests adding at most this many tokens (decode and verification rows) share one padded
 # attention call per layer; longer prompt chunks attend one request at a time.
 SHORT_ROW_TOKENS = 32
+# A group whose slots span at most this many times its requests attends over that span of the
+# cache in place; gathering every request's cache prefix instead copies all of it, every layer.
+SPAN_SLACK = 2
 
 
 @dataclass
 class ShortGroup:
-    """Requests whose queries are padded to [R_s, n_max] and attend in one call."""
+    """Requests whose queries are padded to [num_rows, n_max] and attend in one call."""
 
-    slots: torch.Tensor | int  # [R_s] (or the slot, when R_s == 1: its cache is then a view)
+    # How the cache is read: the slot of a lone request, a slice of slots read in place (row r is
+    # slot start + r; rows of slots outside the group are padding), or [R_s] slots to gather.
+    slots: int | slice | torch.Tensor
     tokens: torch.Tensor  # [T_s] flattened token indices
-    rows: torch.Tensor  # [T_s] request row of each token
+    rows: torch.Tensor  # [T_s] padded row of each token
     cols: torch.Tensor  # [T_s] position of each token inside its row
     num_rows: int
     max_new: int
     max_len: int  # longest cache prefix attended (start + n)
     mask: torch.Tensor | None  # [R_s, 1, n_max, max_len] bool; None when nothing needs masking
     covers_all: bool  # the group is the whole batch: its tokens are 0..T-1 in order
-    dense: bool  # covers_all, and every row has n_max tokens: the padded layout is a view of them
+    dense: bool  # covers_all, rows are the requests in order with n_max tokens each: a view of q
 
 
 @dataclass
@@ -91,26 +96,44 @@ def _short_group(
 ) -> ShortGroup:
     idx = torch.tensor(ids, dtype=torch.int64)
     n, s = lengths[idx], starts[idx]
-    rows = torch.repeat_interleave(torch.arange(len(ids)), n)
-    cols = torch.arange(int(n.sum())) - torch.cat([torch.zeros(1, dtype=torch.int64), n.cumsum(0)[:-1]])[rows]
-    tokens = offsets[idx][rows] + cols
+    group_slots = torch.tensor([slots[i] for i in ids], dtype=torch.int64)
+    lo, hi = int(group_slots.min()), int(group_slots.max()) + 1
+    in_place = len(ids) > 1 and hi - lo <= SPAN_SLACK * len(ids)
+    if in_place:  # padded row = slot - lo; slots outside the group add padding rows with no queries
+        row_of_request, num_rows = group_slots - lo, hi - lo
+        row_n = torch.zeros(num_rows, dtype=torch.int64).index_copy_(0, row_of_request, n)
+        row_s = torch.zeros(num_rows, dtype=torch.int64).index_copy_(0, row_of_request, s)
+    else:
+        row_of_request, num_rows, row_n, row_s = torch.arange(len(ids)), len(ids), n, s
+    request_of_token = torch.repeat_interleave(torch.arange(len(ids)), n)
+    cols = (
+        torch.arange(int(n.sum()))
+        - torch.cat([torch.zeros(1, dtype=torch.int64), n.cumsum(0)[:-1]])[request_of_token]
+    )
+    tokens = offsets[idx][request_of_token] + cols
     max_new, max_len = int(n.max()), int((s + n).max())
     mask = None
-    if max_new > 1 or len(ids) > 1:
+    if max_new > 1 or num_rows > 1:
         keys = torch.arange(max_len)[None, None, :]
-        query_pos = s[:, None, None] + torch.arange(max_new)[None, :, None]
-        valid_query = torch.arange(max_new)[None, :, None] < n[:, None, None]
+        query_pos = row_s[:, None, None] + torch.arange(max_new)[None, :, None]
+        valid_query = torch.arange(max_new)[None, :, None] < row_n[:, None, None]
         # Padding queries see key 0 only, so no softmax row is empty.
         mask = torch.where(valid_query, keys <= query_pos, keys == 0)[:, None].to(device)
+    covers_all = len(ids) == num_requests
+    rows_in_order = num_rows == len(ids) and bool((row_of_request == torch.arange(len(ids))).all())
+    if len(ids) == 1:
+        slot_index: int | slice | torch.Tensor = slots[ids[0]]
+    else:
+        slot_index = slice(lo, hi) if in_place else group_slots.to(device)
     return ShortGroup(
-        slots=slots[ids[0]] if len(ids) == 1 else torch.tensor([slots[i] for i in ids], device=device),
+        slots=slot_index,
         tokens=tokens.to(device),
-        rows=rows.to(device),
+        rows=row_of_request[request_of_token].to(device),
         cols=cols.to(device),
-        num_rows=len(ids),
+        num_rows=num_rows,
         max_new=max_new,
         max_len=max_len,
         mask=mask,
-        covers_all=len(ids) == num_requests,
-        dense=len(ids) == num_requests and max_new * len(ids) == len(tokens),
+        covers_all=covers_all,
+        dense=covers_all and rows_in_order and max_new * len(ids) == len(tokens),
     )

@@ -88,7 +88,7 @@ def _attend_short(
     else:
         queries = q.new_zeros(g.num_rows, g.max_new, *q.shape[1:])
         queries[g.rows, g.cols] = q[g.tokens]
-    keys, values = k_cache[g.slots, :, : g.max_len], v_cache[g.slots, :, : g.max_len]
+    keys, values = k_cache[g.slots, :, : g.max_len], v_cache[g.slots, :, : g.max_len]  # a view for a slice
     if q.device.type == "cpu":
         out = _grouped_attention(queries.transpose(1, 2), keys, values, g.mask)
     else:
