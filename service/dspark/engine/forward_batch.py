@@ -96,9 +96,10 @@ def _short_group(
 ) -> ShortGroup:
     idx = torch.tensor(ids, dtype=torch.int64)
     n, s = lengths[idx], starts[idx]
-    group_slots = torch.tensor([slots[i] for i in ids], dtype=torch.int64)
-    lo, hi = int(group_slots.min()), int(group_slots.max()) + 1
+    group = [slots[i] for i in ids]
+    lo, hi = min(group), max(group) + 1
     in_place = len(ids) > 1 and hi - lo <= SPAN_SLACK * len(ids)
+    group_slots = torch.tensor(group, dtype=torch.int64)
     if in_place:  # padded row = slot - lo; slots outside the group add padding rows with no queries
         row_of_request, num_rows = group_slots - lo, hi - lo
         row_n = torch.zeros(num_rows, dtype=torch.int64).index_copy_(0, row_of_request, n)
@@ -120,9 +121,9 @@ def _short_group(
         # Padding queries see key 0 only, so no softmax row is empty.
         mask = torch.where(valid_query, keys <= query_pos, keys == 0)[:, None].to(device)
     covers_all = len(ids) == num_requests
-    rows_in_order = num_rows == len(ids) and bool((row_of_request == torch.arange(len(ids))).all())
+    rows_in_order = not in_place or group == list(range(lo, hi))
     if len(ids) == 1:
-        slot_index: int | slice | torch.Tensor = slots[ids[0]]
+        slot_index: int | slice | torch.Tensor = group[0]
     else:
         slot_index = slice(lo, hi) if in_place else group_slots.to(device)
     return ShortGroup(
