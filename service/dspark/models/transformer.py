@@ -77,13 +77,13 @@ class Attention(nn.Module):
 def _attend_short(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: ShortGroup
 ) -> torch.Tensor:
-    """Decode and verification rows: queries padded to [R, n_max], one attention call."""
+    """Decode and verification rows: queries padded to [num_rows, n_max], one attention call."""
     if isinstance(g.slots, int):  # one request: no padding, and its cache prefix is a view
         keys, values = k_cache[g.slots, :, : g.max_len][None], v_cache[g.slots, :, : g.max_len][None]
         queries = q if g.covers_all else q[g.tokens]
         out = attention(queries.transpose(0, 1)[None], keys, values, g.mask)
         return out[0].transpose(0, 1)
-    if g.dense:  # rows of equal length: no padding to scatter into or gather back from
+    if g.dense:  # the requests in order, rows of equal length: nothing to scatter or gather back
         queries = q.view(g.num_rows, g.max_new, *q.shape[1:])
     else:
         queries = q.new_zeros(g.num_rows, g.max_new, *q.shape[1:])
