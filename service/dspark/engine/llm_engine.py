@@ -390,13 +390,10 @@ def verification_logits(
 ) -> torch.Tensor:
     """[R, width + 1, V]: each decode's logits at its anchor and verified drafts (rows past its own
     length repeat its last one)."""
-    if all(n == width for n in lengths) and starts == list(range(0, len(starts) * (width + 1), width + 1)):
-        # Every decode verified `width` drafts (plain decoding always): its rows are in place.
-        return logits[: len(starts) * (width + 1)].view(len(starts), width + 1, -1)
-    rows = torch.tensor(starts, device=logits.device)[:, None]
-    steps = torch.arange(width + 1, device=logits.device)[None, :]
-    limits = torch.tensor(lengths, device=logits.device)[:, None]
-    return logits[rows + torch.minimum(steps, limits)]
+    index = [start + min(k, n) for start, n in zip(starts, lengths, strict=True) for k in range(width + 1)]
+    if index == list(range(len(index))):  # every decode verified `width` drafts (plain decoding always)
+        return logits[: len(index)].view(len(starts), width + 1, -1)
+    return logits[torch.tensor(index, device=logits.device)].view(len(starts), width + 1, -1)
 
 
 def draft_lists(draft: Draft) -> list[list[int]]:
