@@ -33,24 +33,53 @@ def batch_shape(batch_tokens: int, max_requests: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(requests)]
 
 
-def time_forward(engine, lengths: list[int], context_len: int, repeats: int, min_seconds: float) -> float:
-    """Median seconds of one verification forward with the given per-request token counts."""
-    model, cache, device = engine.model, engine.cache, engine.device
-    slots = list(range(len(lengths)))
-    tokens = torch.randint(0, model.config.vocab_size, (sum(lengths),), device=device)
+def time_forwards(
+    engine,
+    shapes: list[list[int]],
+    context_len: int,
+    repeats: int,
+    min_seconds: float,
+    done: Callable[[int, float], None] | None = None,
+    max_forwards: int = 50,
+) -> list[float]:
+    """Median seconds of one verification forward per batch shape (per-request token counts);
+    `done(i, seconds)` as shape i finishes.
+
+    The shapes are timed in interleaved passes (one forward each, the order reversed every pass)
+    until each has `repeats` forwards and `min_seconds` of them, or `max_forwards`. A shared
+    machine's slow spells, which last seconds, then fall on every batch size alike instead of
+    bending the curve over the sizes timed during one: on the development CPU two profiles taken
+    in a row differed by a median 3-10% per point timed one size after another, 2.5-4.4% interleaved.
+    """
+    device = engine.device
+    inputs = [_verification_input(engine, lengths, context_len) for lengths in shapes]
+    times: list[list[float]] = [[] for _ in shapes]
+    medians: list[float] = [0.0] * len(shapes)
+    order = list(range(len(shapes)))
+    while order:
+        for i in list(order):
+            tokens, batch = inputs[i]
+            sync(device)
+            start = time.perf_counter()
+            engine.model(tokens, batch, engine.cache, hidden_layers=engine.drafter.target_layers)
+            sync(device)
+            times[i].append(time.perf_counter() - start)
+            enough = len(times[i]) >= repeats and sum(times[i]) >= min_seconds
+            if enough or len(times[i]) >= max_forwards:
+                order.remove(i)
+                medians[i] = statistics.median(times[i])
+                if done:
+                    done(i, medians[i])
+        order.reverse()
+    return medians
+
+
+def _verification_input(engine, lengths: list[int], context_len: int) -> tuple[torch.Tensor, ForwardBatch]:
+    """Random tokens and the batch layout of one forward: request i verifies lengths[i] tokens."""
+    tokens = torch.randint(0, engine.model.config.vocab_size, (sum(lengths),), device=engine.device)
     rows = list(range(sum(lengths)))
-    batch = ForwardBatch.build(slots, [context_len] * len(lengths), lengths, rows, device)
-    layers = engine.drafter.target_layers
-    times: list[float] = []
-    while len(times) < repeats or sum(times) < min_seconds:
-        sync(device)
-        start = time.perf_counter()
-        model(tokens, batch, cache, hidden_layers=layers)
-        sync(device)
-        times.append(time.perf_counter() - start)
-        if len(times) >= 50:
-            break
-    return statistics.median(times)
+    slots = list(range(len(lengths)))
+    return tokens, ForwardBatch.build(slots, [context_len] * len(lengths), lengths, rows, engine.device)
 
 
 def profile_engine(
@@ -75,10 +104,12 @@ def profile_engine(
             "verified tokens per request; raise --max-model-len or --max-num-seqs, or lower --max-batch-tokens"
         )
     _fill_context(engine, max_requests, context_len)
-    time_forward(engine, batch_shape(grid[-1], max_requests), context_len, 2, 0.0)  # warm-up
+    time_forwards(engine, [batch_shape(grid[-1], max_requests)], context_len, 2, 0.0)  # warm-up
+    shapes = [batch_shape(b, max_requests) for b in grid]
     points = []
-    for b in grid:
-        seconds = time_forward(engine, batch_shape(b, max_requests), context_len, repeats, min_seconds)
+    for b, seconds in zip(
+        grid, time_forwards(engine, shapes, context_len, repeats, min_seconds), strict=True
+    ):
         points.append(SpsPoint(batch_tokens=b, steps_per_second=1.0 / seconds))
         if progress:
             progress(b, 1.0 / seconds)
