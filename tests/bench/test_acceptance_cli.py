@@ -113,14 +113,14 @@ def test_bench_serve_cli_runs_policies_in_rounds(tiny_pair, tmp_path, monkeypatc
     monkeypatch.setenv("DSPARK_HOME", str(tmp_path / "home"))  # the SPS profile is measured here
     out = tmp_path / "serve"
     args = ["bench", "serve", "--target", str(target), "--drafter", str(drafter), "--device", "cpu"]
-    args += ["--dtype", "float32", "--policies", "none,static:1,dspark,oracle", "--concurrency", "1,2"]
+    args += ["--dtype", "float32", "--policies", "none,static:1,dspark,oracle,none#2", "--concurrency", "1,2"]
     args += ["--requests", "4", "--rounds", "2", "--max-tokens", "6", "--domains", "code"]
     result = CliRunner().invoke(main, [*args, "--output-dir", str(out)])
     assert result.exit_code == 0, result.output
     report = json.loads((out / "bench-serve.json").read_text())
     points = report["points"]
     assert [(p["concurrency"], p["policy"]) for p in points] == [
-        (c, n) for c in (1, 2) for n in ("none", "static:1", "dspark", "oracle")
+        (c, n) for c in (1, 2) for n in ("none", "static:1", "dspark", "oracle", "none#2")
     ]
     lengths = output_lengths(6, 0.5)  # the default spread: 3 to 9 tokens, the same for every policy
     for p in points:
@@ -135,8 +135,19 @@ def test_bench_serve_cli_runs_policies_in_rounds(tiny_pair, tmp_path, monkeypatc
     assert [row["concurrency"] for row in levels] == [1, 2]
     assert all(row["best_fixed"] in ("none", "static:1") and "dspark_vs_best_fixed" in row for row in levels)
     assert all("oracle_vs_static:1" in row for row in levels)  # the bound is reported, not a fixed policy
+    # The twin runs plain decoding in an engine of its own: its ratio to `none` is the noise floor.
+    assert all(by[(c, "none#2")]["drafted_share"] == 0 for c in (1, 2))
+    assert all(row["none#2_vs_none"] > 0 for row in levels)
     assert report["meta"]["rounds"] == 2
     assert (out / "frontier.png").stat().st_size > 0 and (out / "verify-budget.png").stat().st_size > 0
+
+
+def test_bench_serve_refuses_a_policy_named_twice(tiny_pair, tmp_path):
+    target, drafter = tiny_pair
+    args = ["bench", "serve", "--target", str(target), "--drafter", str(drafter), "--policies", "none,none"]
+    result = CliRunner().invoke(main, [*args, "--output-dir", str(tmp_path / "serve")])
+    assert result.exit_code != 0 and "none#2" in result.output
+    assert not (tmp_path / "serve").exists()
 
 
 def test_output_lengths_spread_evenly_around_the_mean():

@@ -55,11 +55,20 @@ def output_lengths(max_tokens: int, spread: float, count: int = 64, seed: int = 
     return lengths
 
 
+TWIN = "#"  # `none#2`: policy `none` again, in an engine of its own (an A/A twin)
+
+
+def base_spec(spec: str) -> str:
+    """The policy a spec runs: `none#2` runs `none`."""
+    return spec.split(TWIN, 1)[0]
+
+
 class ClosedLoop:
     """One policy's closed loop: keeps `concurrency` requests in flight on its engine until
     `requests` have finished, on its own clock (the seconds spent in its own iterations), so
     loops of several policies can be stepped in turn on one machine. Request i asks for
-    `lengths[i % len(lengths)]` tokens when `lengths` is given, else `params.max_tokens`."""
+    `lengths[i % len(lengths)]` tokens when `lengths` is given, else `params.max_tokens`.
+    Its point is labelled `label` (default: the policy's name)."""
 
     def __init__(
         self,
@@ -70,8 +79,10 @@ class ClosedLoop:
         params: SamplingParams,
         id_prefix: str = "",
         lengths: Sequence[int] | None = None,
+        label: str | None = None,
     ) -> None:
         self.engine, self.prompts, self.params = engine, prompts, params
+        self.label = label or engine.policy.name
         self.lengths = list(lengths) if lengths else None
         self.concurrency, self.requests, self.id_prefix = concurrency, requests, id_prefix
         self.clock = 0.0
@@ -141,7 +152,7 @@ class ClosedLoop:
             if r.stats.rounds:
                 taus.append(r.stats.tau)
         return LoadPoint(
-            policy=self.engine.policy.name,
+            policy=self.label,
             concurrency=self.concurrency,
             requests=len(self._finished),
             output_tokens=tokens,
@@ -224,20 +235,31 @@ def run_serve_bench(
     rounds (what it learned carries over, as in serving), after an unmeasured warm-up of one
     wave of `concurrency` requests: the steady state of a running server, not a cold start.
     The `oracle` policy (greedy only, `dspark.bench.oracle`) is a bound to read the others against.
+    A twin spec (`none#2`) runs its policy again in an engine of its own: identical loops differ
+    only by chance, so their ratio is the level's noise floor.
     """
     points = []
     for c in concurrencies:
-        verify = {spec: build_policy(spec, sps=sps) for spec in policies if spec != ORACLE}
+        verify = {spec: build_policy(base_spec(spec), sps=sps) for spec in policies if spec != ORACLE}
         runs: dict[str, list[LoadPoint]] = {spec: [] for spec in policies}
         per_run = max(math.ceil(requests_per_level / rounds), 2 * c)
         for r in range(rounds):
             loops = []
             for i, spec in enumerate(policies):
-                engine = policy_engine(base, spec, verify.get(spec), c)
+                engine = policy_engine(base, base_spec(spec), verify.get(spec), c)
                 if r == 0:  # unmeasured: the policy learns its costs and confidences at this load
                     run_closed_loop(engine, prompts, c, c, params, lengths)
                 loops.append(
-                    ClosedLoop(engine, prompts, c, per_run, params, id_prefix=f"r{r}p{i}-", lengths=lengths)
+                    ClosedLoop(
+                        engine,
+                        prompts,
+                        c,
+                        per_run,
+                        params,
+                        id_prefix=f"r{r}p{i}-",
+                        lengths=lengths,
+                        label=spec,
+                    )
                 )
             for spec, point in zip(policies, run_lockstep(loops), strict=True):
                 runs[spec].append(point)
@@ -281,11 +303,14 @@ def merge_rounds(runs: list[LoadPoint]) -> LoadPoint:
 
 
 def summarize(points: list[LoadPoint], baseline: str = "static:1") -> dict:
-    """Acceptance figures: DSpark vs the best fixed policy per level, and vs gamma = 1 where it halves."""
+    """Acceptance figures: DSpark vs the best fixed policy per level, and vs gamma = 1 where it
+    halves; each twin (`none#2`) vs its policy, the level's noise floor."""
     by_level: dict[int, dict[str, LoadPoint]] = {}
     for p in points:
         by_level.setdefault(p.concurrency, {})[p.policy] = p
-    fixed = [n for n in {p.policy for p in points} if n.startswith("static") or n in ("full", "none")]
+    names = {p.policy for p in points}
+    fixed = [n for n in names if n.startswith("static") or n in ("full", "none")]
+    twins = sorted(n for n in names if TWIN in n)
     rows = []
     for c, level in sorted(by_level.items()):
         best_fixed = max(
@@ -300,6 +325,11 @@ def summarize(points: list[LoadPoint], baseline: str = "static:1") -> dict:
             if name in level and baseline in level:
                 row[f"{name}_vs_{baseline}"] = (
                     level[name].aggregate_tokens_per_s / level[baseline].aggregate_tokens_per_s
+                )
+        for twin in twins:
+            if twin in level and base_spec(twin) in level:
+                row[f"{twin}_vs_{base_spec(twin)}"] = (
+                    level[twin].aggregate_tokens_per_s / level[base_spec(twin)].aggregate_tokens_per_s
                 )
         rows.append(row)
     half = None

@@ -81,7 +81,8 @@ def decode(engine_config, domains, num_prompts, max_tokens, lookup, no_hf, repea
     default="none,static:1,static:3,full,dspark,dspark-async",
     show_default=True,
     help="Verify policies to compare; add `oracle` (greedy only) for the bound of policies that draft: "
-    "it drafts every step and verifies exactly the drafted tokens the target accepts.",
+    "it drafts every step and verifies exactly the drafted tokens the target accepts. A twin such as "
+    "`none#2` runs a policy again in an engine of its own; its ratio to the first is the noise floor.",
 )
 @click.option("--concurrency", default="1,2,4,8,16,32,64", show_default=True, help="Comma-separated levels.")
 @click.option(
@@ -131,7 +132,14 @@ def serve_bench(
 
     from dspark.bench.oracle import ORACLE
     from dspark.bench.prompts import BUILTIN_PROMPTS
-    from dspark.bench.serve import as_json, output_lengths, plot_serve_bench, run_serve_bench, summarize
+    from dspark.bench.serve import (
+        as_json,
+        base_spec,
+        output_lengths,
+        plot_serve_bench,
+        run_serve_bench,
+        summarize,
+    )
     from dspark.commands.generate import encode_prompt
     from dspark.commands.options import build_engine
     from dspark.engine.sampling_params import SamplingParams
@@ -139,11 +147,15 @@ def serve_bench(
 
     levels = sorted({int(c) for c in concurrency.split(",")})
     names = [p.strip() for p in policies.split(",") if p.strip()]
+    if len(set(names)) < len(names):
+        raise click.BadParameter(
+            "name each policy once (run one again as a twin: none#2)", param_hint="--policies"
+        )
     if ORACLE in names and temperature != 0:  # refused before the model loads
         raise click.BadParameter("the oracle policy needs --temperature 0", param_hint="--policies")
     cfg = engine_config.model_copy(update={"policy": "none", "max_num_seqs": max(levels)})
     base = build_engine(cfg)
-    sps = acquire_profile(base) if any(needs_profile(n) for n in names) else None
+    sps = acquire_profile(base) if any(needs_profile(base_spec(n)) for n in names) else None
     prompts = [
         encode_prompt(base.tokenizer, t) for d in domains.split(",") for t in BUILTIN_PROMPTS[d.strip()]
     ]
