@@ -166,6 +166,21 @@ def test_gate_explores_after_a_run_of_skipped_steps() -> None:
     assert decisions == [False, False, False, True, False]  # back to the short interval
 
 
+def test_exploration_is_counted_per_request_count() -> None:
+    """Steps at another R, where drafting pays (a closed loop's dip while a finished request's
+    successor prefills), neither reset nor advance the exploration interval at 16 requests."""
+    gate = DraftingGate(explore_every=3, memory_rows=16, reuse_steps=1)
+    gate.cost.observe(16, 0.01)
+    gate.cost.observe(1, 1e-6)
+    gate.remember(torch.full((16, 7), 0.1, dtype=torch.float64))
+    at_16 = []
+    for i in range(25):
+        at_16.append(gate.should_draft(16, FORWARD, 0.001, 0.001))
+        if i % 4 == 3:
+            assert gate.should_draft(1, FORWARD, 0.0, 0.001)  # drafting pays at one request
+    assert [i for i, d in enumerate(at_16) if d] == [3, 10, 23]  # as if R never changed
+
+
 def test_exploration_at_one_request_renews_a_quarter_of_the_pool() -> None:
     """At one request an explored step adds one row: the gate drafts a burst of memory_rows / 4
     steps, enough for better confidences (the load changed) to switch drafting back on."""

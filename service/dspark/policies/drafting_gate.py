@@ -105,7 +105,10 @@ class DraftingGate:
     `memory_rows` rows remembered: draft; no undrafted step measured yet: skip one (that is how
     they get measured). After `explore_every` skipped steps in a row one step drafts anyway, to
     refresh the pool and the cost; each exploration that changes nothing doubles that interval (up to
-    8x), so a load where drafting clearly does not pay spends little on checking. An exploration
+    8x), so a load where drafting clearly does not pay spends little on checking. Skipped steps,
+    intervals and explorations are counted per number of requests R: a closed loop at 4 users
+    drafts (rightly) on the steps where a request has just finished and 3 decode, and with one
+    count for all R each of those reset the 4-user interval to its shortest. An exploration
     drafts steps enough to renew a quarter of the pool: at one request a single step renews 1 of 64
     rows, too little to ever outvote rows from before the load changed (a chat user switching
     to math stayed undrafted).
@@ -128,9 +131,11 @@ class DraftingGate:
         self._pool = np.zeros((0, 0))  # their rows, zero-padded to the widest
         self._rates: dict[tuple[int, int], tuple[int, float]] = {}  # (R, horizon) -> (evaluation, rate)
         self._evaluations = 0
-        self._skipped_in_a_row = 0
-        self._explore_interval = explore_every
-        self._explored = False
+        # Per request count R: a load's exploration says nothing about another's, and under closed
+        # loop R dips for a step whenever a request ends and its successor prefills.
+        self._skipped_in_a_row: dict[int, int] = {}
+        self._explore_interval: dict[int, int] = {}
+        self._explored: set[int] = set()
         self._burst_left = 0
         self.skipped_steps = 0
 
@@ -181,11 +186,14 @@ class DraftingGate:
         if self._burst_left > 0:
             self._burst_left -= 1
             return widest
-        if self._skipped_in_a_row >= self._explore_interval:
-            self._skipped_in_a_row, self._explored = 0, True
+        interval = self._explore_interval.get(num_requests, self.explore_every)
+        if self._skipped_in_a_row.get(num_requests, 0) >= interval:
+            self._skipped_in_a_row[num_requests] = 0
+            self._explored.add(num_requests)
             self._burst_left = math.ceil(self.memory_rows / (4 * num_requests)) - 1
             return widest
-        explored, self._explored = self._explored, False
+        explored = num_requests in self._explored
+        self._explored.discard(num_requests)
         if plain_other_s is None:
             self.skipped_steps += 1
             return 0
@@ -201,12 +209,13 @@ class DraftingGate:
             if rate > best_rate:
                 best, best_rate = h, rate
         if best:
-            self._skipped_in_a_row, self._explore_interval = 0, self.explore_every
+            self._skipped_in_a_row[num_requests] = 0
+            self._explore_interval.pop(num_requests, None)
             # A wider horizon offered than the rows cover: draft it, so its positions get judged.
             return widest if widest > width else best
         if explored:
-            self._explore_interval = min(2 * self._explore_interval, 8 * self.explore_every)
-        self._skipped_in_a_row += 1
+            self._explore_interval[num_requests] = min(2 * interval, 8 * self.explore_every)
+        self._skipped_in_a_row[num_requests] = self._skipped_in_a_row.get(num_requests, 0) + 1
         self.skipped_steps += 1
         return 0
 
