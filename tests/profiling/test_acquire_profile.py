@@ -104,3 +104,23 @@ def test_the_context_shrinks_to_fit_a_batch_as_long_as_max_model_len(tiny_dirs):
     )
     with pytest.raises(ValueError, match=r"max_model_len 64 leaves no room .* 64 verified tokens"):
         profiler.profile_engine(single, grid=[1, 64], repeats=1, min_seconds=0.0)
+
+
+def test_progress_is_reported_while_the_profile_is_still_timing(engine, monkeypatch):
+    forwards, reported = [], []
+    forward = engine.model.forward
+
+    def counted(*args, **kw):
+        forwards.append(1)
+        return forward(*args, **kw)
+
+    monkeypatch.setattr(engine.model, "forward", counted)
+    profile = profiler.profile_engine(
+        engine,
+        grid=[1, 8, 64],
+        repeats=3,
+        min_seconds=0.0,
+        progress=lambda b, sps: reported.append((b, len(forwards))),
+    )
+    assert sorted(b for b, _ in reported) == [p.batch_tokens for p in profile.points] == [1, 8, 64]
+    assert reported[0][1] < len(forwards)  # the first size was reported before the last forward ran

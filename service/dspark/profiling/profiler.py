@@ -106,13 +106,10 @@ def profile_engine(
     _fill_context(engine, max_requests, context_len)
     time_forwards(engine, [batch_shape(grid[-1], max_requests)], context_len, 2, 0.0)  # warm-up
     shapes = [batch_shape(b, max_requests) for b in grid]
-    points = []
-    for b, seconds in zip(
-        grid, time_forwards(engine, shapes, context_len, repeats, min_seconds), strict=True
-    ):
-        points.append(SpsPoint(batch_tokens=b, steps_per_second=1.0 / seconds))
-        if progress:
-            progress(b, 1.0 / seconds)
+    # Reported as each size finishes (interleaved, they finish in no fixed order), not at the end.
+    done = (lambda i, seconds: progress(grid[i], 1.0 / seconds)) if progress else None
+    medians = time_forwards(engine, shapes, context_len, repeats, min_seconds, done)
+    points = [SpsPoint(batch_tokens=b, steps_per_second=1.0 / s) for b, s in zip(grid, medians, strict=True)]
     return SpsProfile(
         device=current_device_name()
         if engine.device.type != "cuda"
