@@ -106,7 +106,7 @@ def test_the_context_shrinks_to_fit_a_batch_as_long_as_max_model_len(tiny_dirs):
         profiler.profile_engine(single, grid=[1, 64], repeats=1, min_seconds=0.0)
 
 
-def test_progress_is_reported_while_the_profile_is_still_timing(engine, monkeypatch):
+def test_progress_is_reported_after_every_timed_forward(engine, monkeypatch):
     forwards, reported = [], []
     forward = engine.model.forward
 
@@ -122,5 +122,7 @@ def test_progress_is_reported_while_the_profile_is_still_timing(engine, monkeypa
         min_seconds=0.0,
         progress=lambda b, sps: reported.append((b, len(forwards))),
     )
-    assert sorted(b for b, _ in reported) == [p.batch_tokens for p in profile.points] == [1, 8, 64]
-    assert reported[0][1] < len(forwards)  # the first size was reported before the last forward ran
+    assert [p.batch_tokens for p in profile.points] == [1, 8, 64]
+    assert [b for b, _ in reported] == [1, 8, 64, 64, 8, 1, 1, 8, 64]  # interleaved passes
+    timed = len(forwards) - len(reported)  # the context fill and the warm-up come first, unreported
+    assert [n for _, n in reported] == list(range(timed + 1, len(forwards) + 1))

@@ -45,10 +45,10 @@ def test_passes_alternate_direction_and_every_size_gets_its_repeats(target) -> N
         8,
         repeats=3,
         min_seconds=0.0,
-        done=lambda i, s: finished.append(i),
+        timed=lambda i, s: finished.append(i),
     )
     assert target.calls == [1, 2, 3, 3, 2, 1, 1, 2, 3]
-    assert sorted(finished) == [0, 1, 2] and medians == [1.0, 1.0, 1.0]
+    assert finished == [0, 1, 2, 2, 1, 0, 0, 1, 2] and medians == [1.0, 1.0, 1.0]
 
 
 def test_a_slow_spell_spreads_over_all_sizes_instead_of_bending_one(target) -> None:

@@ -37,10 +37,10 @@ def profile(engine_config, output, plot_path, context_len, repeats) -> None:
     from dspark.profiling.sps_profile import default_profile_path
 
     engine = build_engine(engine_config.model_copy(update={"policy": "none"}))
-    with tqdm(desc="profiling SPS(B)", unit="batch", file=sys.stderr) as bar:
+    with tqdm(desc="profiling SPS(B)", unit="forward", file=sys.stderr) as bar:
 
         def step(b: int, sps: float) -> None:
-            bar.set_postfix(B=b, sps=f"{sps:.1f}")
+            bar.set_postfix(B=b, sps=f"{sps:.1f}", refresh=False)
             bar.update(1)
 
         result = profile_engine(engine, context_len=context_len, repeats=repeats, progress=step)

@@ -39,11 +39,11 @@ def time_forwards(
     context_len: int,
     repeats: int,
     min_seconds: float,
-    done: Callable[[int, float], None] | None = None,
+    timed: Callable[[int, float], None] | None = None,
     max_forwards: int = 50,
 ) -> list[float]:
     """Median seconds of one verification forward per batch shape (per-request token counts);
-    `done(i, seconds)` as shape i finishes.
+    `timed(i, seconds)` after every forward, of shape i.
 
     The shapes are timed in interleaved passes (one forward each, the order reversed every pass)
     until each has `repeats` forwards and `min_seconds` of them, or `max_forwards`. A shared
@@ -64,12 +64,12 @@ def time_forwards(
             engine.model(tokens, batch, engine.cache, hidden_layers=engine.drafter.target_layers)
             sync(device)
             times[i].append(time.perf_counter() - start)
+            if timed:
+                timed(i, times[i][-1])
             enough = len(times[i]) >= repeats and sum(times[i]) >= min_seconds
             if enough or len(times[i]) >= max_forwards:
                 order.remove(i)
                 medians[i] = statistics.median(times[i])
-                if done:
-                    done(i, medians[i])
         order.reverse()
     return medians
 
@@ -90,7 +90,8 @@ def profile_engine(
     min_seconds: float = 0.05,
     progress: Callable[[int, float], None] | None = None,
 ) -> SpsProfile:
-    """Fill every KV slot with a context, then time forwards of B tokens for each B in the grid."""
+    """Fill every KV slot with a context, then time forwards of B tokens for each B in the grid;
+    `progress(B, forwards per second)` after every timed forward."""
     if engine.has_unfinished_requests():
         raise RuntimeError("profile an idle engine: requests are running")
     max_requests = engine.cache.num_free_slots
@@ -106,9 +107,9 @@ def profile_engine(
     _fill_context(engine, max_requests, context_len)
     time_forwards(engine, [batch_shape(grid[-1], max_requests)], context_len, 2, 0.0)  # warm-up
     shapes = [batch_shape(b, max_requests) for b in grid]
-    # Reported as each size finishes (interleaved, they finish in no fixed order), not at the end.
-    done = (lambda i, seconds: progress(grid[i], 1.0 / seconds)) if progress else None
-    medians = time_forwards(engine, shapes, context_len, repeats, min_seconds, done)
+    # Every forward is reported: interleaved, the sizes all finish in the last passes.
+    timed = (lambda i, seconds: progress(grid[i], 1.0 / seconds)) if progress else None
+    medians = time_forwards(engine, shapes, context_len, repeats, min_seconds, timed)
     points = [SpsPoint(batch_tokens=b, steps_per_second=1.0 / s) for b, s in zip(grid, medians, strict=True)]
     return SpsProfile(
         device=current_device_name()
