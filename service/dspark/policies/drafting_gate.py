@@ -15,6 +15,7 @@ import bisect
 import math
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -89,6 +90,15 @@ def _interp(table: dict[int, float], x: int) -> float:
     return table[x0] + (x - x0) / (x1 - x0) * (table[x1] - table[x0])
 
 
+@dataclass
+class _Exploration:
+    """The gate's exploration at one request count R."""
+
+    interval: int  # skipped steps in a row before the next exploration
+    skipped: int = 0  # skipped in a row so far
+    explored: bool = False  # the last step at R was an exploration
+
+
 class DraftingGate:
     """Drafts a step only when R requests are expected to decode faster with drafting.
 
@@ -133,9 +143,7 @@ class DraftingGate:
         self._evaluations = 0
         # Per request count R: a load's exploration says nothing about another's, and under closed
         # loop R dips for a step whenever a request ends and its successor prefills.
-        self._skipped_in_a_row: dict[int, int] = {}
-        self._explore_interval: dict[int, int] = {}
-        self._explored: set[int] = set()
+        self._exploration: dict[int, _Exploration] = {}
         self._burst_left = 0
         self.skipped_steps = 0
 
@@ -186,14 +194,14 @@ class DraftingGate:
         if self._burst_left > 0:
             self._burst_left -= 1
             return widest
-        interval = self._explore_interval.get(num_requests, self.explore_every)
-        if self._skipped_in_a_row.get(num_requests, 0) >= interval:
-            self._skipped_in_a_row[num_requests] = 0
-            self._explored.add(num_requests)
+        at_r = self._exploration.get(num_requests)
+        if at_r is None:
+            at_r = self._exploration[num_requests] = _Exploration(self.explore_every)
+        if at_r.skipped >= at_r.interval:
+            at_r.skipped, at_r.explored = 0, True
             self._burst_left = math.ceil(self.memory_rows / (4 * num_requests)) - 1
             return widest
-        explored = num_requests in self._explored
-        self._explored.discard(num_requests)
+        explored, at_r.explored = at_r.explored, False
         if plain_other_s is None:
             self.skipped_steps += 1
             return 0
@@ -209,13 +217,12 @@ class DraftingGate:
             if rate > best_rate:
                 best, best_rate = h, rate
         if best:
-            self._skipped_in_a_row[num_requests] = 0
-            self._explore_interval.pop(num_requests, None)
+            at_r.skipped, at_r.interval = 0, self.explore_every
             # A wider horizon offered than the rows cover: draft it, so its positions get judged.
             return widest if widest > width else best
         if explored:
-            self._explore_interval[num_requests] = min(2 * interval, 8 * self.explore_every)
-        self._skipped_in_a_row[num_requests] = self._skipped_in_a_row.get(num_requests, 0) + 1
+            at_r.interval = min(2 * at_r.interval, 8 * self.explore_every)
+        at_r.skipped += 1
         self.skipped_steps += 1
         return 0
 

@@ -54,7 +54,6 @@ def time_forwards(
     device = engine.device
     inputs = [_verification_input(engine, lengths, context_len) for lengths in shapes]
     times: list[list[float]] = [[] for _ in shapes]
-    medians: list[float] = [0.0] * len(shapes)
     order = list(range(len(shapes)))
     while order:
         for i in list(order):
@@ -69,9 +68,8 @@ def time_forwards(
             enough = len(times[i]) >= repeats and sum(times[i]) >= min_seconds
             if enough or len(times[i]) >= max_forwards:
                 order.remove(i)
-                medians[i] = statistics.median(times[i])
         order.reverse()
-    return medians
+    return [statistics.median(t) for t in times]
 
 
 def _verification_input(engine, lengths: list[int], context_len: int) -> tuple[torch.Tensor, ForwardBatch]:
