@@ -113,14 +113,15 @@ def test_bench_serve_cli_runs_policies_in_rounds(tiny_pair, tmp_path, monkeypatc
     monkeypatch.setenv("DSPARK_HOME", str(tmp_path / "home"))  # the SPS profile is measured here
     out = tmp_path / "serve"
     args = ["bench", "serve", "--target", str(target), "--drafter", str(drafter), "--device", "cpu"]
-    args += ["--dtype", "float32", "--policies", "none,static:1,dspark,oracle,none#2", "--concurrency", "1,2"]
+    args += ["--dtype", "float32", "--policies", "none,static:1,dspark,oracle,none#2,oracle#2"]
+    args += ["--concurrency", "1,2"]
     args += ["--requests", "4", "--rounds", "2", "--max-tokens", "6", "--domains", "code"]
     result = CliRunner().invoke(main, [*args, "--output-dir", str(out)])
     assert result.exit_code == 0, result.output
     report = json.loads((out / "bench-serve.json").read_text())
     points = report["points"]
     assert [(p["concurrency"], p["policy"]) for p in points] == [
-        (c, n) for c in (1, 2) for n in ("none", "static:1", "dspark", "oracle", "none#2")
+        (c, n) for c in (1, 2) for n in ("none", "static:1", "dspark", "oracle", "none#2", "oracle#2")
     ]
     lengths = output_lengths(6, 0.5)  # the default spread: 3 to 9 tokens, the same for every policy
     for p in points:
@@ -138,6 +139,8 @@ def test_bench_serve_cli_runs_policies_in_rounds(tiny_pair, tmp_path, monkeypatc
     # The twin runs plain decoding in an engine of its own: its ratio to `none` is the noise floor.
     assert all(by[(c, "none#2")]["drafted_share"] == 0 for c in (1, 2))
     assert all(row["none#2_vs_none"] > 0 for row in levels)
+    assert all(by[(c, "oracle#2")]["output_tokens"] == by[(c, "oracle")]["output_tokens"] for c in (1, 2))
+    assert all(row["oracle#2_vs_oracle"] > 0 for row in levels)
     assert report["meta"]["rounds"] == 2
     assert (out / "frontier.png").stat().st_size > 0 and (out / "verify-budget.png").stat().st_size > 0
 
@@ -147,6 +150,16 @@ def test_bench_serve_refuses_a_policy_named_twice(tiny_pair, tmp_path):
     args = ["bench", "serve", "--target", str(target), "--drafter", str(drafter), "--policies", "none,none"]
     result = CliRunner().invoke(main, [*args, "--output-dir", str(tmp_path / "serve")])
     assert result.exit_code != 0 and "none#2" in result.output
+    assert not (tmp_path / "serve").exists()
+
+
+@pytest.mark.parametrize("spec", ["static:x", "bogus#2", "dspark:3"])
+def test_bench_serve_refuses_a_malformed_policy_before_loading_the_model(spec, tmp_path):
+    # The target does not exist: had the model been loaded first, the error would be about it.
+    args = ["bench", "serve", "--target", str(tmp_path / "no-model"), "--policies", f"none,{spec}"]
+    result = CliRunner().invoke(main, [*args, "--output-dir", str(tmp_path / "serve")])
+    assert result.exit_code == 2 and "--policies" in result.output
+    assert ("unknown verify policy" in result.output) or ("integer K >= 0" in result.output)
     assert not (tmp_path / "serve").exists()
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from dspark.policies.dspark import DSparkAsyncPolicy, DSparkPolicy
-from dspark.policies.factory import build_policy
+from dspark.policies.factory import build_policy, parse_policy
 from dspark.policies.static import StaticPolicy
 from dspark.policies.threshold import ThresholdPolicy
 from dspark.profiling.online import OnlineSps
@@ -54,6 +54,13 @@ def test_dspark_policies_refine_a_profile_online_and_accept_a_refined_curve() ->
 def test_bad_specs_are_refused_clearly(spec: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         build_policy(spec, sps=PROFILE)
+    with pytest.raises(ValueError, match=message):  # without a profile too, before a model loads
+        parse_policy(spec)
+
+
+def test_good_specs_parse_without_a_profile() -> None:
+    assert parse_policy(" dspark ") == ("dspark", None)
+    assert parse_policy("static:2") == ("static", 2) and parse_policy("threshold:0.5") == ("threshold", 0.5)
 
 
 @pytest.mark.parametrize("spec", ["dspark", "dspark-async"])

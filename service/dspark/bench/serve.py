@@ -240,7 +240,9 @@ def run_serve_bench(
     """
     points = []
     for c in concurrencies:
-        verify = {spec: build_policy(base_spec(spec), sps=sps) for spec in policies if spec != ORACLE}
+        verify = {
+            spec: build_policy(base_spec(spec), sps=sps) for spec in policies if base_spec(spec) != ORACLE
+        }
         runs: dict[str, list[LoadPoint]] = {spec: [] for spec in policies}
         per_run = max(math.ceil(requests_per_level / rounds), 2 * c)
         for r in range(rounds):

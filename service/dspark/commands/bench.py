@@ -143,6 +143,7 @@ def serve_bench(
     from dspark.commands.generate import encode_prompt
     from dspark.commands.options import build_engine
     from dspark.engine.sampling_params import SamplingParams
+    from dspark.policies.factory import parse_policy
     from dspark.profiling.acquire import acquire_profile, needs_profile
 
     levels = sorted({int(c) for c in concurrency.split(",")})
@@ -151,7 +152,14 @@ def serve_bench(
         raise click.BadParameter(
             "name each policy once (run one again as a twin: none#2)", param_hint="--policies"
         )
-    if ORACLE in names and temperature != 0:  # refused before the model loads
+    # Refused before the model loads (and the SPS profile is measured), not at the first level.
+    for name in names:
+        if base_spec(name) != ORACLE:
+            try:
+                parse_policy(base_spec(name))
+            except ValueError as e:
+                raise click.BadParameter(str(e), param_hint="--policies") from None
+    if any(base_spec(n) == ORACLE for n in names) and temperature != 0:
         raise click.BadParameter("the oracle policy needs --temperature 0", param_hint="--policies")
     cfg = engine_config.model_copy(update={"policy": "none", "max_num_seqs": max(levels)})
     base = build_engine(cfg)

@@ -14,32 +14,42 @@ from dspark.profiling.sps_profile import SpsProfile
 POLICY_HELP = "none | static:K | full | threshold:X (0<X<1) | dspark | dspark-async"
 
 
-def build_policy(spec: str, sps: SpsProfile | OnlineSps | None = None) -> VerifyPolicy:
-    """`sps` is the engine's step-rate profile; required by `dspark` and `dspark-async`, which
-    wrap a plain profile in `OnlineSps` so the engine's step timings refine it."""
+def parse_policy(spec: str) -> tuple[str, int | float | None]:
+    """(name, argument) of a policy spelling, refused with the accepted spellings when malformed;
+    needs no profile, so a command can check its policies before it loads a model."""
     name, _, arg = spec.strip().partition(":")
-    if name == "none" and not arg:
-        return StaticPolicy(0)
-    if name == "full" and not arg:
-        return StaticPolicy(None)
+    if name in ("none", "full", "dspark", "dspark-async") and not arg:
+        return name, None
     if name == "static":
         try:
-            return StaticPolicy(int(arg))
+            k = int(arg)
         except ValueError:
-            raise ValueError(f"policy 'static:K' needs an integer K >= 0, got {spec!r}") from None
+            k = -1
+        if k < 0:
+            raise ValueError(f"policy 'static:K' needs an integer K >= 0, got {spec!r}")
+        return name, k
     if name == "threshold":
         try:
             x = float(arg)
         except ValueError:
-            raise ValueError(f"policy 'threshold:X' needs a number 0 < X < 1, got {spec!r}") from None
+            x = math.nan
         if not (math.isfinite(x) and 0 < x < 1):
             raise ValueError(f"policy 'threshold:X' needs a number 0 < X < 1, got {spec!r}")
-        return ThresholdPolicy(x)
-    if name in ("dspark", "dspark-async") and not arg:
-        if sps is None:
-            raise ValueError(
-                f"policy {name!r} needs an SPS profile of this engine (steps per second against batch "
-                "tokens); profile the engine first or choose a policy that needs none"
-            )
-        return DSparkPolicy(sps) if name == "dspark" else DSparkAsyncPolicy(sps)
+        return name, x
     raise ValueError(f"unknown verify policy {spec!r}; expected one of: {POLICY_HELP}")
+
+
+def build_policy(spec: str, sps: SpsProfile | OnlineSps | None = None) -> VerifyPolicy:
+    """`sps` is the engine's step-rate profile; required by `dspark` and `dspark-async`, which
+    wrap a plain profile in `OnlineSps` so the engine's step timings refine it."""
+    name, arg = parse_policy(spec)
+    if name in ("none", "full", "static"):
+        return StaticPolicy({"none": 0, "full": None}.get(name, arg))
+    if name == "threshold":
+        return ThresholdPolicy(arg)
+    if sps is None:
+        raise ValueError(
+            f"policy {name!r} needs an SPS profile of this engine (steps per second against batch "
+            "tokens); profile the engine first or choose a policy that needs none"
+        )
+    return DSparkPolicy(sps) if name == "dspark" else DSparkAsyncPolicy(sps)
