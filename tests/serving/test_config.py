@@ -40,6 +40,9 @@ def test_env_json_for_nested_and_config_file_env(tmp_path: Path):
         ({"bogus": 1}, "bogus"),
         ({"max_queue": -1}, "max_queue"),
         ({"autoscaling": {"max_replicas": 0}}, "autoscaling.max_replicas"),
+        # Engine settings are checked with the rest, before Ray or a model starts.
+        ({"policy": "static:x"}, "policy: policy 'static:K' needs an integer K >= 0"),
+        ({"gamma": 0}, "gamma: Input should be greater"),
     ],
 )
 def test_invalid_config_names_the_field(values, needle):

@@ -24,6 +24,7 @@ def generate(prompts, engine_config, max_tokens, temperature, top_p, top_k, seed
     from pydantic import ValidationError
 
     from dspark.engine.sampling_params import SamplingParams
+    from dspark.validation import describe
 
     if not prompts:
         raise click.UsageError("give at least one prompt")
@@ -32,9 +33,7 @@ def generate(prompts, engine_config, max_tokens, temperature, top_p, top_k, seed
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed
         )
     except ValidationError as e:
-        raise click.BadParameter(
-            "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
-        ) from e
+        raise click.BadParameter(describe(e)) from e
     engine = build_engine(engine_config)
     token_ids = [encode_prompt(engine.tokenizer, p, raw=raw, system=system) for p in prompts]
     start = time.perf_counter()

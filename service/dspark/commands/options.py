@@ -6,10 +6,12 @@ import functools
 from collections.abc import Callable
 
 import click
+from pydantic import ValidationError
 
 from dspark.drafters.factory import DRAFTER_HELP
 from dspark.engine.config import SELECTION_FIELDS, EngineConfig
 from dspark.policies.factory import POLICY_HELP
+from dspark.validation import describe
 
 _DEFAULTS = EngineConfig()
 
@@ -44,8 +46,8 @@ def engine_options(command: Callable) -> Callable:
         values = {f: kwargs.pop(f) for f in SELECTION_FIELDS}
         try:
             kwargs["engine_config"] = EngineConfig(**values)
-        except ValueError as e:
-            raise click.BadParameter(str(e)) from e
+        except ValidationError as e:
+            raise click.BadParameter(describe(e)) from e
         return command(*args, **kwargs)
 
     for option in reversed(options):

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dspark.models.registry import DEFAULT_MODEL
 
@@ -33,6 +33,15 @@ class EngineConfig(BaseModel):
         False, description="Refuse to start without a matching profile instead of profiling."
     )
     seed: int = 0
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, spec: str) -> str:
+        """A malformed policy is refused with the configuration, before any model loads."""
+        from dspark.policies.factory import parse_policy  # the policies import engine modules
+
+        parse_policy(spec)
+        return spec.strip()
 
 
 # The engine fields every engine-running command and the server take as flags.

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, overload
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from dspark.models.registry import dspark_home
+from dspark.validation import describe
 
 if TYPE_CHECKING:  # torch and NumPy are imported on first lookup: the operator reads profiles without them
     import numpy as np
@@ -173,11 +174,7 @@ class SpsProfile(BaseModel):
         try:
             profile = cls.model_validate(data)
         except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}"
-                for err in exc.errors()
-            )
-            raise ProfileError(f"SPS profile {source} is invalid: {problems}") from None
+            raise ProfileError(f"SPS profile {source} is invalid: {describe(exc)}") from None
         profile._source = source
         return profile
 

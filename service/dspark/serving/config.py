@@ -11,6 +11,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 from dspark.engine.config import SELECTION_FIELDS
+from dspark.validation import describe
 
 ENV_PREFIX = "DSPARK_"
 CONFIG_FILE_ENV = "DSPARK_CONFIG"
@@ -155,9 +156,8 @@ def load_config(
     values.update(_env_values(environ))
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     try:
-        return ServeConfig.model_validate(values)
+        config = ServeConfig.model_validate(values)
+        config.engine_config()  # the engine's own checks (e.g. the policy spelling), before Ray starts
+        return config
     except ValidationError as e:
-        problems = "; ".join(
-            f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg']}" for err in e.errors()
-        )
-        raise ValueError(f"invalid serve configuration: {problems}") from None
+        raise ValueError(f"invalid serve configuration: {describe(e, top='config')}") from None
