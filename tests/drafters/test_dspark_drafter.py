@@ -295,6 +295,31 @@ def test_horizon_drafts_the_same_first_positions(target):
     torch.testing.assert_close(short.confidences, whole.confidences[:, :3])
 
 
+@pytest.mark.parametrize("zlab_layout", [None, False, True])  # None: DSpark; else DFlash layouts
+def test_horizon_runs_the_last_layer_for_its_own_rows_only(tmp_path, target, zlab_layout):
+    """Every block position feeds the last layer's keys and values, but its queries, attention
+    output and MLP run only for the positions the horizon returns (DFlash's anchor row included)."""
+    from dspark.drafters.checkpoint import load_target_shared_weights
+
+    if zlab_layout is None:
+        drafter, conditioning_rows = load_drafter(str(FIXTURE / "draft_vanilla"), target.config), 0
+    else:
+        shared = load_target_shared_weights(FIXTURE / "target") if zlab_layout else None
+        ckpt = dflash_checkpoint(tmp_path, zlab_layout)
+        drafter, conditioning_rows = load_drafter(str(ckpt), target.config, shared=shared), int(zlab_layout)
+    requests = [make_request(f"r{i}", sequence(n + 1, seed=i), num_cached=n) for i, n in enumerate((9, 30))]
+    drafter_with_context(drafter, target, requests)
+    whole = drafter.propose(requests, sampling_for(requests))
+    rows = []
+    hook = drafter.model.layers[-1].mlp.register_forward_hook(
+        lambda m, args, out: rows.append(args[0].shape[1])
+    )
+    short = drafter.propose(requests, sampling_for(requests), horizon=2)
+    hook.remove()
+    assert rows == [2 + conditioning_rows]
+    assert torch.equal(short.tokens, whole.tokens[:, :2])
+
+
 @pytest.mark.parametrize("rows", [1, 2])
 def test_horizon_cut_heads_are_plain_matmuls(target, rows):
     """A width-1 (or one-request) cut of the block is a view .contiguous() leaves alone; F.linear

@@ -64,9 +64,7 @@ class DSparkDrafter(ContextDrafter):
         ctx_kv = self.store.read("kv", rows, max(lengths))
         ctx_mask = torch.arange(max(lengths), device=self.device)[None, :] < ctx_len[:, None]
         anchor = torch.tensor([r.last_token_id for r in requests], device=self.device)
-        # The block attends bidirectionally, so the backbone always runs whole; past the horizon
-        # only the vocabulary-sized heads are skipped.
-        hidden = self.model.block_hidden(anchor, ctx_len, ctx_kv, ctx_mask)[:, :horizon]
+        hidden = self.model.block_hidden(anchor, ctx_len, ctx_kv, ctx_mask, horizon)
         tokens, probs, conf_logits = sample_block(self.model, hidden, anchor, sampling, self.vocab)
         return DraftBlock(tokens, probs, self._confidences(conf_logits, sampling.temperature))
 

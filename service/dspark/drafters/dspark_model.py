@@ -38,14 +38,23 @@ class DSparkDecoderLayer(nn.Module):
         ctx_k: torch.Tensor,
         ctx_v: torch.Tensor,
         ctx_mask: torch.Tensor,
+        num_outputs: int | None = None,
     ) -> torch.Tensor:
-        """x [B, Q, d]; ctx_k/ctx_v [B, C, KVH, hd] (already rotated); ctx_mask [B, C] True = real."""
+        """x [B, Q, d]; ctx_k/ctx_v [B, C, KVH, hd] (already rotated); ctx_mask [B, C] True = real.
+
+        With `num_outputs`, only the first that many block positions are computed past the keys and
+        values (which every position still contributes): [B, num_outputs, d]."""
         h = self.input_layernorm(x)
-        q = self.self_attn.query(h, cos, sin)
         k, v = self.self_attn.key_value(h, cos, sin)
         k, v = torch.cat([ctx_k, k], dim=1), torch.cat([ctx_v, v], dim=1)
         block_mask = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
         mask = torch.cat([ctx_mask, block_mask], dim=1)[:, None, :]
+        if num_outputs is not None:
+            # Dense copies: F.linear on a row cut whose leading strides do not merge runs a bmm over
+            # a broadcast copy of the weight (see `sample_block`).
+            x, h = (t[:, :num_outputs].clone(memory_format=torch.contiguous_format) for t in (x, h))
+            cos, sin = cos[:, :num_outputs], sin[:, :num_outputs]
+        q = self.self_attn.query(h, cos, sin)
         x = x + self.self_attn.attend(q, k, v, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -116,19 +125,30 @@ class DSparkModel(nn.Module):
         return ids
 
     def block_hidden(
-        self, anchor: torch.Tensor, anchor_pos: torch.Tensor, ctx_kv: torch.Tensor, ctx_mask: torch.Tensor
+        self,
+        anchor: torch.Tensor,
+        anchor_pos: torch.Tensor,
+        ctx_kv: torch.Tensor,
+        ctx_mask: torch.Tensor,
+        horizon: int | None = None,
     ) -> torch.Tensor:
-        """Hidden states [B, gamma, d] (after the final norm) of the predicting block positions.
+        """Hidden states [B, horizon or gamma, d] (after the final norm) of the first predicting
+        block positions.
 
         anchor, anchor_pos [B]; ctx_kv [B, C, L, 2, KVH, hd] from `context_kv`; ctx_mask [B, C].
+        The block attends bidirectionally, so every position runs through every layer but the
+        last, whose outputs past the horizon nothing reads.
         """
         x = self.embed_tokens(self.block_input_ids(anchor))
         pos = anchor_pos[:, None] + torch.arange(self.block_len, device=anchor.device)
         cos, sin = self.rotary(pos, x.dtype)
+        skip = 0 if self.config.anchor_predicts else 1
+        outputs = None if horizon is None or skip + horizon >= self.block_len else skip + horizon
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, ctx_kv[:, :, i, 0], ctx_kv[:, :, i, 1], ctx_mask)
-        x = self.norm(x)
-        return x if self.config.anchor_predicts else x[:, 1:]
+            n = outputs if i == last else None
+            x = layer(x, cos, sin, ctx_kv[:, :, i, 0], ctx_kv[:, :, i, 1], ctx_mask, num_outputs=n)
+        return self.norm(x)[:, skip:]
 
     def forward(self, features: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
         """Reference single-shot pass: features [B, P, m*hidden] of positions 0..P-1, anchor [B] at P."""
