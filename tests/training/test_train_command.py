@@ -108,6 +108,12 @@ def test_config_errors_are_reported(tmp_path, tiny_target):
     result = _run(config, tmp_path)
     assert result.exit_code != 0 and "feature_layers" in result.output
 
+    config = tiny_config(tmp_path, tiny_target, "dspark", prompts)
+    config["optim"]["max_steps"] = 0
+    result = _run(config, tmp_path)
+    assert result.exit_code != 0 and "optim.max_steps: Input should be greater than" in result.output
+    assert "errors.pydantic.dev" not in result.output
+
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu_check.sh)")
 @pytest.mark.parametrize("kind", ["dspark", "eagle3"])

@@ -42,6 +42,7 @@ def train(
 
     from dspark.training.config import TrainConfig
     from dspark.training.prompts import NoUsableData
+    from dspark.validation import describe
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -52,7 +53,9 @@ def train(
         if max_steps is not None:
             updates["optim"] = cfg.optim.model_copy(update={"max_steps": max_steps})
         cfg = cfg.model_copy(update=updates)
-    except (ValidationError, ValueError) as exc:
+    except ValidationError as exc:
+        raise click.ClickException(f"{config}: {describe(exc)}") from exc
+    except ValueError as exc:
         raise click.ClickException(f"{config}: {exc}") from exc
     try:
         if data_only:
