@@ -25,9 +25,13 @@ def test_every_subcommand_has_help(path):
 
 
 def test_generate_prints_text_and_statistics(smollm_dir):
-    result = CliRunner().invoke(main, ["generate", "--dtype", "float32", "--max-tokens", "6", "What is 2+2?"])
+    """The defaults: the shipped DSpark drafter under the DSpark policy (a small batch budget keeps
+    the SPS profile it measures on first use short)."""
+    args = ["generate", "--dtype", "float32", "--max-tokens", "6", "--max-batch-tokens", "64"]
+    result = CliRunner().invoke(main, [*args, "--max-num-seqs", "4", "What is 2+2?"])
     assert result.exit_code == 0, result.output
     assert "tau" in result.output and "tokens" in result.output
+    assert "with drafter dspark, policy dspark" in result.output
 
 
 @pytest.mark.parametrize(

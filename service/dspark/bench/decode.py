@@ -81,12 +81,17 @@ def run_decode_bench(
             build_policy(f"static:{lookup}"),
         ),
     }
-    if config.drafter not in ("none", "ngram"):  # the drafter asked for, with its policy (and SPS profile)
+    if base.config.drafter not in (
+        "none",
+        "ngram",
+    ):  # the drafter asked for, with its policy (and SPS profile)
+        from dspark.policies.factory import resolve_policy_spec
         from dspark.profiling.acquire import acquire_profile, needs_profile
 
-        sps = acquire_profile(base) if needs_profile(config.policy) else None
-        name = f"engine {Path(config.drafter).name} ({config.policy})"
-        systems[name] = base.sibling(base.drafter, build_policy(config.policy, sps=sps))
+        policy = resolve_policy_spec(config.policy, base.drafter)
+        sps = acquire_profile(base) if needs_profile(policy) else None
+        name = f"engine {Path(base.config.drafter).name} ({policy})"
+        systems[name] = base.sibling(base.drafter, build_policy(policy, sps=sps))
     hf = None
     if include_hf:
         hf = (

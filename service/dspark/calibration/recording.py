@@ -41,6 +41,7 @@ class RecordingDrafter(Drafter):
         self.gamma = inner.gamma
         self.target_layers = inner.target_layers
         self.device = inner.device
+        self.gives_confidences = inner.gives_confidences
         self._pending: list[_Pending] = []
         self._logits: list[np.ndarray] = []
         self._accepted: list[int] = []

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from dspark.drafters.factory import DRAFTER_HELP
 from dspark.engine.config import SELECTION_FIELDS, EngineConfig
-from dspark.policies.factory import POLICY_HELP
+from dspark.policies.factory import AUTO_POLICY_HELP, POLICY_HELP
 from dspark.validation import describe
 
 _DEFAULTS = EngineConfig()
@@ -27,7 +27,7 @@ def engine_options(command: Callable) -> Callable:
             "--policy",
             default=_DEFAULTS.policy,
             show_default=True,
-            help=f"Verify-length policy: {POLICY_HELP}",
+            help=f"Verify-length policy: {AUTO_POLICY_HELP} | {POLICY_HELP}",
         ),
         click.option(
             "--gamma", type=int, default=_DEFAULTS.gamma, show_default=True, help="Draft block size."

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
@@ -30,20 +29,11 @@ from dspark.commands.options import build_engine, engine_options
 )
 def profile(engine_config, output, plot_path, context_len, repeats) -> None:
     """Profile this engine on this hardware and write the SPS profile (exit non-zero on failure)."""
-    from tqdm import tqdm
-
-    from dspark.profiling.acquire import engine_identity
-    from dspark.profiling.profiler import profile_engine
+    from dspark.profiling.acquire import engine_identity, profile_with_progress
     from dspark.profiling.sps_profile import default_profile_path
 
     engine = build_engine(engine_config.model_copy(update={"policy": "none"}))
-    with tqdm(desc="profiling SPS(B)", unit="forward", file=sys.stderr) as bar:
-
-        def step(b: int, sps: float) -> None:
-            bar.set_postfix(B=b, sps=f"{sps:.1f}", refresh=False)
-            bar.update(1)
-
-        result = profile_engine(engine, context_len=context_len, repeats=repeats, progress=step)
+    result = profile_with_progress(engine, context_len=context_len, repeats=repeats)
     text = result.model_dump_json(indent=2)
     if output == "-":
         click.echo(text)

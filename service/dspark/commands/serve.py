@@ -7,6 +7,8 @@ from pathlib import Path
 import click
 import yaml
 
+from dspark.drafters.factory import DRAFTER_HELP
+from dspark.policies.factory import AUTO_POLICY_HELP, POLICY_HELP
 from dspark.serving.config import load_config
 
 
@@ -18,8 +20,8 @@ from dspark.serving.config import load_config
     help="YAML settings file (also DSPARK_CONFIG); flags and DSPARK_* variables override it.",
 )
 @click.option("--target", help="Model name or HF-format directory.  [default: smollm2-135m]")
-@click.option("--drafter", help="none | ngram | a drafter checkpoint directory.")
-@click.option("--policy", help="Verify-length policy: none | static:K | full | ...")
+@click.option("--drafter", help=f"{DRAFTER_HELP}  [default: auto]")
+@click.option("--policy", help=f"Verify-length policy: {AUTO_POLICY_HELP} | {POLICY_HELP}  [default: auto]")
 @click.option("--gamma", type=int, help="Draft block size.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]))
 @click.option("--device", help="auto | cpu | cuda | cuda:N")

@@ -35,6 +35,7 @@ class Drafter(ABC):
     gamma: int = 0
     target_layers: tuple[int, ...] = ()  # decoder layers whose outputs `commit` receives
     device: torch.device | None = None  # where `propose` puts its tensors (None: it holds none)
+    gives_confidences: bool = False  # `propose` fills DraftBlock.confidences (a confidence head)
 
     def fresh_copy(self) -> Drafter:
         """A drafter over the same weights that holds no requests, for another engine on the same

@@ -28,6 +28,7 @@ class DSparkDrafter(ContextDrafter):
         config = model.config
         self.name = config.kind
         self.gamma = config.gamma
+        self.gives_confidences = model.confidence_head is not None
         self.target_layers = tuple(config.target_layer_ids)
         self.feature_size = len(self.target_layers) * config.target_hidden_size
         weight = model.fc.weight

@@ -12,9 +12,22 @@ from dspark.drafters.checkpoint import SharedWeights
 from dspark.drafters.shipped import SHIPPED_NAMES, shipped_drafter
 
 DRAFTER_HELP = (
-    "none | ngram | dspark | dflash | eagle3 (the shipped drafters of the target) | "
+    "auto (the target's shipped DSpark drafter, else ngram) | none | ngram | "
+    "dspark | dflash | eagle3 (the shipped drafters of the target) | "
     "a drafter checkpoint directory (DSpark, DFlash or EAGLE-3)"
 )
+
+
+def resolve_drafter_spec(spec: str, target_config: Any) -> str:
+    """`auto` becomes `dspark` when a DSpark drafter is shipped for this target, else `ngram`
+    (which any target can use); every other spelling is returned as it is."""
+    if spec != "auto":
+        return spec
+    try:
+        shipped_drafter("dspark", target_config)
+    except ValueError:
+        return "ngram"
+    return "dspark"
 
 
 def load_drafter(

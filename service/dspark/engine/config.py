@@ -11,6 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dspark.models.registry import DEFAULT_MODEL
 
+# The default drafter and policy: resolved when the engine loads, once the target and drafter are known.
+AUTO = "auto"
+
 
 class EngineConfig(BaseModel):
     """Everything that selects and sizes an engine; the same fields back every CLI command."""
@@ -18,8 +21,16 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     target: str = Field(DEFAULT_MODEL, description="Model name or HF-format directory.")
-    drafter: str = Field("ngram", description="none | ngram | a drafter checkpoint directory.")
-    policy: str = Field("static:4", description="Verify-length policy, e.g. none, static:K, full.")
+    drafter: str = Field(
+        AUTO,
+        description="auto (the target's shipped DSpark drafter, else ngram) | none | ngram | dspark | "
+        "dflash | eagle3 | a drafter checkpoint directory.",
+    )
+    policy: str = Field(
+        AUTO,
+        description="Verify-length policy: auto (dspark for a drafter with a confidence head, else "
+        "static:4) | none | static:K | full | threshold:X | dspark | dspark-async.",
+    )
     gamma: int = Field(7, ge=1, le=32, description="Draft block size.")
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
@@ -40,7 +51,8 @@ class EngineConfig(BaseModel):
         """A malformed policy is refused with the configuration, before any model loads."""
         from dspark.policies.factory import parse_policy  # the policies import engine modules
 
-        parse_policy(spec)
+        if spec.strip() != AUTO:
+            parse_policy(spec)
         return spec.strip()
 
 

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from dspark.drafters.base import DraftBlock, Drafter
 from dspark.drafters.checkpoint import SharedWeights
-from dspark.drafters.factory import load_drafter
+from dspark.drafters.factory import load_drafter, resolve_drafter_spec
 from dspark.engine.config import EngineConfig, resolve_device, resolve_dtype
 from dspark.engine.detokenizer import Detokenizer
 from dspark.engine.kv_cache import KVCache, check_kv_budget
@@ -30,8 +30,9 @@ from dspark.models.config import head_dim
 from dspark.models.loader import load_target_model
 from dspark.models.pull import resolve_target
 from dspark.policies.base import VerifyPolicy
-from dspark.policies.factory import build_policy
+from dspark.policies.factory import build_policy, resolve_policy_spec
 from dspark.policies.prefix_scheduler import host_array, survival_probabilities
+from dspark.profiling.acquire import acquire_profile, needs_profile
 
 log = logging.getLogger(__name__)
 
@@ -105,18 +106,29 @@ class LLMEngine:
         model = load_target_model(model_dir, dtype, device)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         shared = SharedWeights(model.model.embed_tokens.weight, model.lm_head.weight)
-        gamma = config.gamma if config.drafter == "ngram" else None
-        drafter = load_drafter(config.drafter, model.config, device, dtype, shared=shared, gamma=gamma)
-        policy = build_policy(config.policy)
+        drafter_spec = resolve_drafter_spec(config.drafter, model.config)
+        gamma = config.gamma if drafter_spec == "ngram" else None
+        drafter = load_drafter(drafter_spec, model.config, device, dtype, shared=shared, gamma=gamma)
+        policy_spec = resolve_policy_spec(config.policy, drafter)
+        config = config.model_copy(update={"drafter": drafter_spec, "policy": policy_spec})
+        # The profiled policies need this engine (its KV cache) to measure SPS(B) when no stored
+        # profile matches, so the engine starts under `none` and receives its policy after.
+        engine = cls(config, model, tokenizer, drafter, build_policy("none"), device, dtype, config.target)
+        sps = None
+        if needs_profile(policy_spec):
+            sps = acquire_profile(
+                engine, str(config.sps_profile) if config.sps_profile else None, config.strict_profile
+            )
+        engine.policy = build_policy(policy_spec, sps=sps)
         log.info(
             "engine: %s on %s (%s), drafter %s, policy %s",
             config.target,
             device,
             dtype,
             drafter.name,
-            policy.name,
+            engine.policy.name,
         )
-        return cls(config, model, tokenizer, drafter, policy, device, dtype, config.target)
+        return engine
 
     def sibling(
         self,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from dspark.drafters.base import Drafter
 from dspark.policies.base import VerifyPolicy
 from dspark.policies.dspark import DSparkAsyncPolicy, DSparkPolicy
 from dspark.policies.static import StaticPolicy
@@ -12,6 +13,19 @@ from dspark.profiling.online import OnlineSps
 from dspark.profiling.sps_profile import SpsProfile
 
 POLICY_HELP = "none | static:K | full | threshold:X (0<X<1) | dspark | dspark-async"
+# `auto` for a drafter without confidences (n-gram lookup, DFlash, EAGLE-3).
+FALLBACK_POLICY = "static:4"
+AUTO_POLICY_HELP = f"auto (dspark for a drafter with a confidence head, else {FALLBACK_POLICY})"
+
+
+def resolve_policy_spec(spec: str, drafter: Drafter) -> str:
+    """`auto` becomes `dspark` for a drafter with a confidence head, `none` without a drafter, else
+    `static:4`; every other spelling is returned as it is."""
+    if spec.strip() != "auto":
+        return spec
+    if drafter.gives_confidences:
+        return "dspark"
+    return FALLBACK_POLICY if drafter.gamma > 0 else "none"
 
 
 def parse_policy(spec: str) -> tuple[str, int | float | None]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 
 from dspark.profiling.device import current_device_name
@@ -46,9 +47,22 @@ def acquire_profile(engine, path: str | None = None, strict: bool = False) -> Sp
             log.info(
                 "no SPS profile for %s / %s / %s yet; profiling this engine (once)", model, dtype, device
             )
-    from dspark.profiling.profiler import profile_engine
-
-    profile = profile_engine(engine)
+    profile = profile_with_progress(engine)
     profile.save(cached)
     log.info("saved SPS profile %s", cached)
     return profile
+
+
+def profile_with_progress(engine, **options) -> SpsProfile:
+    """`profile_engine(engine, **options)` with a progress bar on stderr, a tick per timed forward."""
+    from tqdm import tqdm
+
+    from dspark.profiling.profiler import profile_engine
+
+    with tqdm(desc="profiling SPS(B)", unit="forward", file=sys.stderr) as bar:
+
+        def step(b: int, sps: float) -> None:
+            bar.set_postfix(B=b, sps=f"{sps:.1f}", refresh=False)
+            bar.update(1)
+
+        return profile_engine(engine, progress=step, **options)
