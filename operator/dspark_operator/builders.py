@@ -30,10 +30,11 @@ def slug(value: str, max_len: int = 20) -> str:
 
 
 def profile_fingerprint(spec: ServiceSpec, node_type: str) -> str:
-    """Changes whenever a profile would measure something different: image, model, dtype, args."""
+    """Changes whenever a profile would measure something different: image, model, drafter, dtype, args."""
     material = {
         "image": spec.image,
         "target": spec.model.target,
+        "drafter": spec.model.drafter,
         "dtype": spec.dtype,
         "args": list(spec.profiling.extra_args),
         "node_type": node_type,
@@ -107,7 +108,9 @@ def build_profile_job(
         'set -e; dspark profile "$@" --output /tmp/profile.json; '
         f"echo '{PROFILE_BEGIN}'; cat /tmp/profile.json; echo; echo '{PROFILE_END}'"
     )
-    args = ["--target", spec.model.target, "--dtype", spec.dtype, *spec.profiling.extra_args]
+    # The serving replicas' drafter too: the forward they time captures its target layers.
+    drafter = ["--drafter", spec.model.drafter] if spec.model.drafter else []
+    args = ["--target", spec.model.target, *drafter, "--dtype", spec.dtype, *spec.profiling.extra_args]
     container: dict[str, Any] = {
         "name": "profile",
         "image": spec.image,

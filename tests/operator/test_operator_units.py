@@ -147,10 +147,22 @@ def test_fingerprint_changes_with_image_and_model_only():
     assert fp != builders.profile_fingerprint(
         ServiceSpec.model_validate(service(image="x:2")["spec"]), "NVIDIA-H200"
     )
-    model = {**SERVICE["spec"]["model"], "target": "other/model"}
-    assert fp != builders.profile_fingerprint(
-        ServiceSpec.model_validate(service(model=model)["spec"]), "NVIDIA-H200"
-    )
+    for field, value in (("target", "other/model"), ("drafter", "dspark")):
+        model = {**SERVICE["spec"]["model"], field: value}
+        assert fp != builders.profile_fingerprint(
+            ServiceSpec.model_validate(service(model=model)["spec"]), "NVIDIA-H200"
+        )
+
+
+def test_the_profiling_job_loads_the_drafter_the_replicas_serve_with():
+    """The timed forward captures the drafter's target layers, so the profile must see the same drafter."""
+    spec = ServiceSpec.model_validate(SERVICE["spec"])
+    job = builders.build_profile_job(BODY, spec, "gpu", "NVIDIA-H200", "fp")
+    command = job["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[command.index("--drafter") + 1] == SERVICE["spec"]["model"]["drafter"]
+    serving = builders.build_serving_deployment(BODY, spec, spec.tiers[0], "gpu", "NVIDIA-H200", "fp", 1)
+    serve = serving["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert serve[serve.index("--drafter") + 1] == SERVICE["spec"]["model"]["drafter"]
 
 
 def test_inference_service_is_raw_mode_with_pinned_replicas():
