@@ -30,10 +30,23 @@ def load_engine(config: ServeConfig) -> Any:
 
     from dspark.engine.llm_engine import LLMEngine
 
+    _log_start_up()
     # One intra-op thread per CPU Ray reserved for this replica: more threads than cores make
     # OpenMP workers of co-located replicas spin against each other (~10x slower on 2 cores).
     torch.set_num_threads(max(1, int(config.replica_cpus())))
     return LLMEngine.from_config(config.engine_config())
+
+
+def _log_start_up() -> None:
+    """Show the engine's INFO lines (drafter, policy, which SPS profile or a new measurement) in the
+    replica's output: outside Ray's own loggers a replica process keeps only warnings."""
+    logger = logging.getLogger("dspark")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False  # where Ray gave the root logger a handler, once is enough
 
 
 class EngineReplica:
