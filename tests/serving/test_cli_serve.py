@@ -121,5 +121,7 @@ def test_sigterm_drains_in_flight_stream_and_leaves_nothing_running(served):
     finishes = [json.loads(e[6:])["choices"][0]["finish_reason"] for e in events[:-1]]
     assert finishes[-1] == "length"
     assert proc.wait(120) == 0
+    # The defaults served the shipped DSpark drafter under the DSpark scheduler, with its profile.
+    assert "drafter dspark, policy dspark" in proc.stdout.read()
     time.sleep(2)
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
