@@ -81,10 +81,8 @@ def run_decode_bench(
             build_policy(f"static:{lookup}"),
         ),
     }
-    if base.config.drafter not in (
-        "none",
-        "ngram",
-    ):  # the drafter asked for, with its policy (and SPS profile)
+    # The drafter asked for (or chosen by `auto`), with its policy and SPS profile.
+    if base.config.drafter not in ("none", "ngram"):
         from dspark.policies.factory import resolve_policy_spec
         from dspark.profiling.acquire import acquire_profile, needs_profile
 

@@ -10,6 +10,7 @@ import torch
 from dspark.drafters.base import Drafter
 from dspark.drafters.checkpoint import SharedWeights
 from dspark.drafters.shipped import SHIPPED_NAMES, shipped_drafter
+from dspark.engine.config import AUTO
 
 DRAFTER_HELP = (
     "auto (the target's shipped DSpark drafter, else ngram) | none | ngram | "
@@ -21,7 +22,7 @@ DRAFTER_HELP = (
 def resolve_drafter_spec(spec: str, target_config: Any) -> str:
     """`auto` becomes `dspark` when a DSpark drafter is shipped for this target, else `ngram`
     (which any target can use); every other spelling is returned as it is."""
-    if spec != "auto":
+    if spec.strip() != AUTO:
         return spec
     try:
         shipped_drafter("dspark", target_config)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from dspark.drafters.base import Drafter
+from dspark.engine.config import AUTO
 from dspark.policies.base import VerifyPolicy
 from dspark.policies.dspark import DSparkAsyncPolicy, DSparkPolicy
 from dspark.policies.static import StaticPolicy
@@ -21,7 +22,7 @@ AUTO_POLICY_HELP = f"auto (dspark for a drafter with a confidence head, else {FA
 def resolve_policy_spec(spec: str, drafter: Drafter) -> str:
     """`auto` becomes `dspark` for a drafter with a confidence head, `none` without a drafter, else
     `static:4`; every other spelling is returned as it is."""
-    if spec.strip() != "auto":
+    if spec.strip() != AUTO:
         return spec
     if drafter.gives_confidences:
         return "dspark"
