@@ -54,10 +54,16 @@ def dspark_target(tmp_path_factory) -> Path:
 
 
 def dspark_config(target: Path, **updates) -> EngineConfig:
-    fields = dict(target=str(target), drafter=str(FIXTURE / "draft_vanilla"), dtype="float32", device="cpu")
-    return EngineConfig(
-        **{**fields, "max_num_seqs": 4, "max_model_len": 128, "max_batch_tokens": 32, **updates}
+    fields = dict(
+        target=str(target),
+        drafter=str(FIXTURE / "draft_vanilla"),
+        dtype="float32",
+        device="cpu",
+        max_num_seqs=4,
+        max_model_len=128,
+        max_batch_tokens=32,
     )
+    return EngineConfig(**(fields | updates))
 
 
 def test_auto_gives_a_confidence_drafter_the_dspark_policy_with_a_profile_measured_once(

@@ -71,8 +71,9 @@ def run_decode_bench(
     from dspark.commands.generate import encode_prompt
     from dspark.models.pull import resolve_target
 
-    # One load of the target (and of the --drafter, if any); every system is a sibling over it.
-    base = LLMEngine.from_config(config.model_copy(update={"policy": "none"}))
+    # One load of the target (and of the --drafter with its policy and SPS profile, resolved by
+    # from_config); every system is a sibling over it, and `base` itself never steps.
+    base = LLMEngine.from_config(config)
     plain = base.sibling(load_drafter("none", base.model.config, base.device), build_policy("none"))
     systems = {
         "engine plain": plain,
@@ -81,15 +82,9 @@ def run_decode_bench(
             build_policy(f"static:{lookup}"),
         ),
     }
-    # The drafter asked for (or chosen by `auto`), with its policy and SPS profile.
     if base.config.drafter not in ("none", "ngram"):
-        from dspark.policies.factory import resolve_policy_spec
-        from dspark.profiling.acquire import acquire_profile, needs_profile
-
-        policy = resolve_policy_spec(config.policy, base.drafter)
-        sps = acquire_profile(base) if needs_profile(policy) else None
-        name = f"engine {Path(base.config.drafter).name} ({policy})"
-        systems[name] = base.sibling(base.drafter, build_policy(policy, sps=sps))
+        name = f"engine {Path(base.config.drafter).name} ({base.config.policy})"
+        systems[name] = base.sibling(base.drafter, base.policy)
     hf = None
     if include_hf:
         hf = (

@@ -9,7 +9,7 @@ import torch
 
 from dspark.drafters.base import Drafter
 from dspark.drafters.checkpoint import SharedWeights
-from dspark.drafters.shipped import SHIPPED_NAMES, shipped_drafter
+from dspark.drafters.shipped import SHIPPED_NAMES, available, shipped_drafter, shipped_target
 from dspark.engine.config import AUTO
 
 DRAFTER_HELP = (
@@ -24,11 +24,8 @@ def resolve_drafter_spec(spec: str, target_config: Any) -> str:
     (which any target can use); every other spelling is returned as it is."""
     if spec.strip() != AUTO:
         return spec
-    try:
-        shipped_drafter("dspark", target_config)
-    except ValueError:
-        return "ngram"
-    return "dspark"
+    target = shipped_target(target_config)
+    return "dspark" if target is not None and "dspark" in available(target) else "ngram"
 
 
 def load_drafter(

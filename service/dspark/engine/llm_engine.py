@@ -116,9 +116,7 @@ class LLMEngine:
         engine = cls(config, model, tokenizer, drafter, build_policy("none"), device, dtype, config.target)
         sps = None
         if needs_profile(policy_spec):
-            sps = acquire_profile(
-                engine, str(config.sps_profile) if config.sps_profile else None, config.strict_profile
-            )
+            sps = acquire_profile(engine, config.sps_profile, config.strict_profile)
         engine.policy = build_policy(policy_spec, sps=sps)
         log.info(
             "engine: %s on %s (%s), drafter %s, policy %s",

@@ -24,7 +24,7 @@ def engine_identity(engine) -> tuple[str, str, str]:
     return engine.model_name, str(engine.dtype).removeprefix("torch."), current_device_name()
 
 
-def acquire_profile(engine, path: str | None = None, strict: bool = False) -> SpsProfile:
+def acquire_profile(engine, path: str | Path | None = None, strict: bool = False) -> SpsProfile:
     """Load the profile at `path` (or $DSPARK_SPS_PROFILE, or the cache) if it belongs to this
     engine; otherwise say why, then profile now and cache the result (strict: refuse instead)."""
     model, dtype, device = engine_identity(engine)

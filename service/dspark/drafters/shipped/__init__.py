@@ -23,23 +23,32 @@ def available(target_name: str) -> list[str]:
     return [n for n in SHIPPED_NAMES if (root / n / "config.json").is_file()]
 
 
-def shipped_drafter(name: str, target_config: Any) -> Path:
-    """Directory of the shipped drafter `name` for this target; a clear error when there is none."""
+def _shape(target_config: Any) -> tuple[int, int, int]:
     from dspark.drafters.config import TargetShape
 
     shape = TargetShape.of(target_config)
-    key = (shape.vocab_size, shape.hidden_size, shape.num_hidden_layers)
-    for target_name, target_shape in SHIPPED_TARGETS.items():
-        if target_shape != key:
-            continue
-        names = available(target_name)
-        if name in names:
-            return SHIPPED_ROOT / target_name / name
+    return shape.vocab_size, shape.hidden_size, shape.num_hidden_layers
+
+
+def shipped_target(target_config: Any) -> str | None:
+    """The shipped target this model has the shape of (vocabulary, hidden size, layers), if any."""
+    key = _shape(target_config)
+    return next((name for name, shape in SHIPPED_TARGETS.items() if shape == key), None)
+
+
+def shipped_drafter(name: str, target_config: Any) -> Path:
+    """Directory of the shipped drafter `name` for this target; a clear error when there is none."""
+    target_name = shipped_target(target_config)
+    if target_name is None:
+        vocab, hidden, layers = _shape(target_config)
+        shipped = {t: available(t) for t in SHIPPED_TARGETS}
+        raise ValueError(
+            f"no shipped drafters for this target (vocab {vocab}, hidden {hidden}, {layers} layers); "
+            f"shipped drafters exist for: {shipped}. Train one with `dspark train` and pass its directory."
+        )
+    names = available(target_name)
+    if name not in names:
         raise ValueError(
             f"no shipped {name!r} drafter for {target_name}; shipped for it: {', '.join(names) or 'none'}"
         )
-    shipped = {t: available(t) for t in SHIPPED_TARGETS}
-    raise ValueError(
-        f"no shipped drafters for this target (vocab {key[0]}, hidden {key[1]}, {key[2]} layers); "
-        f"shipped drafters exist for: {shipped}. Train one with `dspark train` and pass its directory."
-    )
+    return SHIPPED_ROOT / target_name / name
