@@ -14,8 +14,11 @@ from dspark.engine.sampling_params import SamplingParams
 from dspark.policies.dspark import DSparkPolicy
 from dspark.profiling.acquire import engine_identity
 from dspark.profiling.sps_profile import ProfileError, default_profile_path
+from dspark.serving.config import ServeConfig
+from dspark.serving.replica import EngineReplica
 
 from tests.conftest import write_tiny_model
+from tests.serving.conftest import make_client
 from tests.training.conftest import write_tiny_tokenizer
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "deepspec-qwen3-dspark-tiny"
@@ -97,6 +100,21 @@ def test_a_configured_profile_path_is_used_and_a_foreign_one_replaced(
     with caplog.at_level(logging.WARNING):
         LLMEngine.from_config(dspark_config(dspark_target, sps_profile=foreign))
     assert "profiling this engine instead" in caplog.text and len(profiling_calls) == 2
+
+
+def test_a_replica_is_ready_on_the_profile_it_measured_when_the_named_one_is_broken(
+    dspark_target, home, profiling_calls, tmp_path, monkeypatch
+):
+    broken = tmp_path / "mounted.json"
+    broken.write_text("{not json")
+    monkeypatch.setenv("DSPARK_SPS_PROFILE", str(broken))
+    replica = EngineReplica(ServeConfig(), LLMEngine.from_config(dspark_config(dspark_target)))
+    try:
+        assert len(profiling_calls) == 1 and isinstance(replica.engine.policy, DSparkPolicy)
+        with make_client(replica) as c:
+            assert c.get("/ready").json() == {"ready": True}
+    finally:
+        replica.shutdown()
 
 
 def test_strict_mode_refuses_to_start_without_a_profile(dspark_target, home, profiling_calls):

@@ -3,8 +3,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from dspark.cli import main
-from dspark.serving.config import ServeConfig, load_config
-from dspark.serving.readiness import policy_needs_profile, profile_present
+from dspark.serving.config import load_config
 
 
 def test_layers_file_then_env_then_flags(tmp_path: Path):
@@ -69,29 +68,3 @@ def test_print_config_shows_effective_settings(monkeypatch):
     assert "max_batch_tokens: 256" in result.output and "target: smollm2-135m" in result.output
     bad = CliRunner().invoke(main, ["serve", "--print-config", "--dtype", "float32", "--max-queue", "-2"])
     assert bad.exit_code != 0 and "max_queue" in bad.output
-
-
-def write_profile(path: Path) -> None:
-    from dspark.profiling.sps_profile import SpsPoint, SpsProfile
-
-    SpsProfile(
-        device="cpu",
-        model="smollm2-135m",
-        dtype="float32",
-        points=[SpsPoint(batch_tokens=1, steps_per_second=10.0)],
-    ).save(path)
-
-
-def test_profile_presence(tmp_path: Path, monkeypatch):
-    for free in ("none", "static:4", "full", "threshold:0.5"):
-        assert not policy_needs_profile(free) and profile_present(free, tmp_path / "missing.json")
-    assert policy_needs_profile("dspark") and policy_needs_profile("dspark-async")
-    path = tmp_path / "sps.json"
-    assert not profile_present("dspark", path)
-    path.write_text("{}")
-    assert not profile_present("dspark", path)  # present but not a valid profile
-    write_profile(path)
-    assert profile_present("dspark", path)
-    monkeypatch.setenv("DSPARK_SPS_PROFILE", str(path))
-    assert profile_present("dspark") and profile_present("dspark-async", None, tmp_path / "other.json")
-    assert ServeConfig().sps_profile is None

@@ -9,7 +9,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serving.conftest import make_client, make_replica
 from tests.serving.fake_engine import CharTokenizer, FakeEngine
-from tests.serving.test_config import write_profile
 
 TOK = CharTokenizer()
 
@@ -219,15 +218,13 @@ def test_api_key_guards_inference_but_not_probes():
         replica.shutdown()
 
 
-def test_ready_needs_profile_for_profiled_policy(tmp_path):
-    replica = make_replica(FakeEngine(policy="dspark"), sps_profile=tmp_path / "sps.json")
+def test_ready_follows_the_engine_loop():
+    replica = make_replica(FakeEngine())
     try:
         with make_client(replica) as c:
-            assert c.get("/ready").status_code == 503
-            (tmp_path / "sps.json").write_text("{}")
-            assert c.get("/ready").status_code == 503  # not a valid profile
-            write_profile(tmp_path / "sps.json")
             assert c.get("/ready").json() == {"ready": True}
+            replica.loop.stop(0.0)
+            assert c.get("/ready").status_code == 503
     finally:
         replica.shutdown()
 

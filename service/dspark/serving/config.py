@@ -76,7 +76,9 @@ class ServeConfig(BaseModel):
     num_gpus_per_replica: float = Field(0.0, ge=0)
 
     # Scheduler inputs.
-    sps_profile: Path | None = Field(None, description="SPS profile file; default: the cache path.")
+    sps_profile: Path | None = Field(
+        None, description="SPS profile file; default: $DSPARK_SPS_PROFILE, else the cache path."
+    )
 
     @field_validator("host")
     @classmethod

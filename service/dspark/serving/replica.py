@@ -15,7 +15,6 @@ from dspark.serving.errors import APIError, validation_message
 from dspark.serving.metrics import ServingMetrics
 from dspark.serving.openai_schemas import ChatCompletionRequest, CompletionRequest
 from dspark.serving.openai_service import Frame, JSONReply, OpenAIService, ServiceLimits
-from dspark.serving.readiness import default_profile_for, profile_present
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +77,9 @@ class EngineReplica:
         self.loop.start()
 
     async def ready(self) -> bool:
-        return self.loop.alive and profile_present(
-            self.engine.config.policy, self.config.sps_profile, default_profile_for(self.engine)
-        )
+        # The engine acquired whatever its policy needs (an SPS profile: loaded or measured) before
+        # it was built, so a replica is ready while its step loop runs.
+        return self.loop.alive
 
     async def metrics_text(self) -> bytes:
         return self.metrics.render()
