@@ -6,6 +6,7 @@ import pytest
 import torch
 from dspark.bench.prompts import BUILTIN_PROMPTS
 from dspark.commands.generate import encode_prompt
+from dspark.drafters.lookup_first import LookupFirstDrafter
 from dspark.drafters.ngram import NgramDrafter, NoDrafter
 from dspark.engine.sampler import SamplingTensors, logits_to_probs
 from dspark.engine.sampling_params import SamplingParams
@@ -46,7 +47,7 @@ def test_greedy_speculation_equals_plain_decoding(reference, length):
     accepted_some = got.stats.accepted_tokens > 0
 
     # in one batch with sampled requests and different lengths mixed in
-    for drafter in (scripted, NgramDrafter(7)):
+    for drafter in (scripted, NgramDrafter(7), LookupFirstDrafter(NgramDrafter(7), scripted)):
         engine = plain.sibling(drafter, _policy(policy), max_batch_tokens=96)
         noise = [SamplingParams(temperature=1.0, max_tokens=n, seed=n) for n in (5, 30)]
         batch = prompts + prompts[:2]
@@ -120,3 +121,23 @@ def test_sampled_outputs_follow_the_target_distribution(tiny8, params, matched):
         assert tv < 0.01, f"output token {k}: TV {tv:.4f}"
     accepted = sum(r.stats.accepted_tokens for r in results) / sum(r.stats.draft_tokens for r in results)
     assert (accepted > 0.5) if matched else (accepted < 0.5)
+
+
+def test_lookup_first_sampling_follows_the_target_distribution(tiny8):
+    """Lookup rows (one-hot) and sampled model rows in the same batches, the choice moving with the
+    tally: the outputs still follow the target exactly."""
+    path, hf = tiny8
+    prompt = [1, 5, 2, 7, 1, 5, 2]  # the lookup proposes 7, 1 after it
+    params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
+    exact = analytic_marginals(hf, prompt, params)
+    drafter = LookupFirstDrafter(
+        NgramDrafter(2), DistributionDrafter(torch.stack([exact[1], exact[2]]).log())
+    )
+    n = 36_000
+    engine = engine_on(path, drafter, "static:2", max_num_seqs=1024, max_batch_tokens=8192)
+    tokens = torch.tensor([r.token_ids for r in engine.generate([prompt] * n, params)])
+    for k in range(3):
+        counts = torch.bincount(tokens[:, k], minlength=TINY_VOCAB).float()
+        tv = 0.5 * (counts / n - exact[k]).abs().sum().item()
+        assert tv < 0.01, f"output token {k}: TV {tv:.4f}"
+    assert drafter.lookup_rows > 1000 and drafter.model_rows > 1000

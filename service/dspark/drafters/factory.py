@@ -15,8 +15,10 @@ from dspark.engine.config import AUTO
 DRAFTER_HELP = (
     "auto (the target's shipped DSpark drafter, else ngram) | none | ngram | "
     "dspark | dflash | eagle3 (the shipped drafters of the target) | "
-    "a drafter checkpoint directory (DSpark, DFlash or EAGLE-3)"
+    "a drafter checkpoint directory (DSpark, DFlash or EAGLE-3) | "
+    "ngram+<one of those> (n-gram lookup where the text repeats, the model elsewhere)"
 )
+LOOKUP_FIRST = "ngram+"
 
 
 def resolve_drafter_spec(spec: str, target_config: Any) -> str:
@@ -48,6 +50,16 @@ def load_drafter(
         return NoDrafter()
     if spec == "ngram":
         return NgramDrafter(gamma or 7, device=device)
+    if spec.startswith(LOOKUP_FIRST):
+        from dspark.drafters.lookup_first import LookupFirstDrafter
+
+        rest = spec.removeprefix(LOOKUP_FIRST)
+        if rest in ("none", "ngram") or rest.startswith(LOOKUP_FIRST):
+            raise ValueError(f"drafter {spec!r}: after `ngram+` comes a model drafter, not {rest!r}")
+        model = load_drafter(
+            rest, target_config, device, dtype, shared=shared, gamma=gamma, calibrated=calibrated
+        )
+        return LookupFirstDrafter(NgramDrafter(model.gamma, device=device), model)
     path = shipped_drafter(spec, target_config) if spec in SHIPPED_NAMES else Path(spec).expanduser()
     if not (path / "config.json").is_file():
         raise ValueError(f"unknown drafter {spec!r}; expected one of: {DRAFTER_HELP}")

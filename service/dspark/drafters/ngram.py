@@ -15,13 +15,21 @@ from dspark.engine.sampler import SamplingTensors
 
 def lookup_continuation(tokens: np.ndarray, gamma: int, max_ngram: int, min_ngram: int = 1) -> np.ndarray:
     """Tokens that followed the most recent earlier match of the longest trailing n-gram."""
+    return longest_match(tokens, gamma, max_ngram, min_ngram)[1]
+
+
+def longest_match(
+    tokens: np.ndarray, gamma: int, max_ngram: int, min_ngram: int = 1
+) -> tuple[int, np.ndarray]:
+    """(n, continuation): the longest trailing n-gram with an earlier occurrence and up to `gamma`
+    tokens that followed its latest one; (0, empty) when no n >= min_ngram matches."""
     for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
         windows = sliding_window_view(tokens[:-1], n)  # every n-gram that has a successor
         hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
         if hits.size:
             start = hits[-1] + n
-            return tokens[start : start + gamma]
-    return tokens[:0]
+            return n, tokens[start : start + gamma]
+    return 0, tokens[:0]
 
 
 class NgramDrafter(Drafter):

@@ -24,7 +24,7 @@ class EngineConfig(BaseModel):
     drafter: str = Field(
         AUTO,
         description="auto (the target's shipped DSpark drafter, else ngram) | none | ngram | dspark | "
-        "dflash | eagle3 | a drafter checkpoint directory.",
+        "dflash | eagle3 | a drafter checkpoint directory | ngram+<a model drafter>.",
     )
     policy: str = Field(
         AUTO,
