@@ -10,7 +10,7 @@ import torch
 from dspark.drafters.base import DraftBlock, Drafter
 from dspark.drafters.factory import load_drafter
 from dspark.drafters.lookup_first import MODEL_ROW, AcceptanceTally, LookupFirstDrafter, expected_accepted
-from dspark.drafters.ngram import NgramDrafter, longest_match
+from dspark.drafters.ngram import longest_match
 from dspark.engine.request import Request
 from dspark.engine.sampler import SamplingTensors
 
@@ -53,7 +53,7 @@ def test_the_tally_counts_accepted_positions_and_the_first_rejection_only():
 
 def test_lookups_win_where_they_are_accepted_and_the_model_drafts_the_rest():
     model = ConstantDrafter(confidence=0.4)
-    drafter = LookupFirstDrafter(NgramDrafter(4), model)
+    drafter = LookupFirstDrafter(model)
     repeating = make_request("rep", REPEATING, len(REPEATING) - 1)
     fresh = make_request("fresh", FRESH, len(FRESH) - 1)
     # Each round the target goes on repeating: the lookup's proposals come true and its tally rises.
@@ -71,7 +71,7 @@ def test_lookups_win_where_they_are_accepted_and_the_model_drafts_the_rest():
 
 
 def test_sampled_model_rows_keep_their_distribution_and_lookup_rows_become_one_hot():
-    drafter = LookupFirstDrafter(NgramDrafter(4), ConstantDrafter(confidence=0.01))
+    drafter = LookupFirstDrafter(ConstantDrafter(confidence=0.01))
     drafter.tally.record(3, np.array([5, 6, 7]), np.array([5, 6, 7]))  # lookups came true before
     rows = [
         make_request("rep", REPEATING, len(REPEATING) - 1, temperature=1.0),
@@ -86,7 +86,7 @@ def test_sampled_model_rows_keep_their_distribution_and_lookup_rows_become_one_h
 
 def test_a_model_that_is_accepted_more_keeps_drafting_repeating_text():
     model = ConstantDrafter(confidence=0.99)
-    drafter = LookupFirstDrafter(NgramDrafter(4), model)
+    drafter = LookupFirstDrafter(model)
     rows = [make_request("rep", REPEATING, len(REPEATING) - 1)]
     drafter.propose(rows, sampling_for(rows))
     assert drafter.lookup_rows == 0 and model.asked == [["rep"]]

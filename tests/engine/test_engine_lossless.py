@@ -47,7 +47,7 @@ def test_greedy_speculation_equals_plain_decoding(reference, length):
     accepted_some = got.stats.accepted_tokens > 0
 
     # in one batch with sampled requests and different lengths mixed in
-    for drafter in (scripted, NgramDrafter(7), LookupFirstDrafter(NgramDrafter(7), scripted)):
+    for drafter in (scripted, NgramDrafter(7), LookupFirstDrafter(scripted)):
         engine = plain.sibling(drafter, _policy(policy), max_batch_tokens=96)
         noise = [SamplingParams(temperature=1.0, max_tokens=n, seed=n) for n in (5, 30)]
         batch = prompts + prompts[:2]
@@ -130,9 +130,7 @@ def test_lookup_first_sampling_follows_the_target_distribution(tiny8):
     prompt = [1, 5, 2, 7, 1, 5, 2]  # the lookup proposes 7, 1 after it
     params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
     exact = analytic_marginals(hf, prompt, params)
-    drafter = LookupFirstDrafter(
-        NgramDrafter(2), DistributionDrafter(torch.stack([exact[1], exact[2]]).log())
-    )
+    drafter = LookupFirstDrafter(DistributionDrafter(torch.stack([exact[1], exact[2]]).log()))
     n = 36_000
     engine = engine_on(path, drafter, "static:2", max_num_seqs=1024, max_batch_tokens=8192)
     tokens = torch.tensor([r.token_ids for r in engine.generate([prompt] * n, params)])

@@ -59,7 +59,7 @@ def load_drafter(
         model = load_drafter(
             rest, target_config, device, dtype, shared=shared, gamma=gamma, calibrated=calibrated
         )
-        return LookupFirstDrafter(NgramDrafter(model.gamma, device=device), model)
+        return LookupFirstDrafter(model)
     path = shipped_drafter(spec, target_config) if spec in SHIPPED_NAMES else Path(spec).expanduser()
     if not (path / "config.json").is_file():
         raise ValueError(f"unknown drafter {spec!r}; expected one of: {DRAFTER_HELP}")

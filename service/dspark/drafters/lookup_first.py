@@ -9,9 +9,10 @@ import numpy as np
 import torch
 
 from dspark.drafters.base import DraftBlock, Drafter
-from dspark.drafters.ngram import NgramDrafter, longest_match
+from dspark.drafters.ngram import MAX_NGRAM, longest_match
 from dspark.engine.request import Request
 from dspark.engine.sampler import SamplingTensors
+from dspark.policies.prefix_scheduler import survival_probabilities
 
 MODEL_ROW = 0  # tally row of the model's own drafts; rows 1..max_ngram are lookups by match length
 
@@ -36,13 +37,13 @@ class AcceptanceTally:
         self.accepted[row, :matched] += 1
         self.trials[row, : matched + (matched < n)] += 1
 
-    def rates(self, row: int) -> np.ndarray:
-        return self.accepted[row] / self.trials[row]
+    def rates(self, rows: int | np.ndarray) -> np.ndarray:
+        return self.accepted[rows] / self.trials[rows]
 
 
 def expected_accepted(rates: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Expected accepted tokens of drafts [N] verified to `lengths` under conditional rates [N, G]."""
-    survival = np.cumprod(rates, axis=-1)
+    survival = survival_probabilities(rates)
     return np.where(np.arange(survival.shape[-1]) < lengths[:, None], survival, 0.0).sum(-1)
 
 
@@ -53,21 +54,21 @@ class LookupFirstDrafter(Drafter):
     before the step, never on this step's sampled draft, so each row's draft distribution is the
     one verification is given and decoding stays lossless."""
 
-    def __init__(self, lookup: NgramDrafter, model: Drafter, ema: float = 0.05) -> None:
-        self.lookup, self.model, self.ema = lookup, model, ema
+    def __init__(self, model: Drafter, max_ngram: int = MAX_NGRAM, ema: float = 0.05) -> None:
+        self.model, self.max_ngram, self.ema = model, max_ngram, ema
         self.name = f"ngram+{model.name}"
         self.gamma = model.gamma
         self.target_layers = model.target_layers
         self.device = model.device
         self.gives_confidences = model.gives_confidences
-        self.tally = AcceptanceTally(lookup.max_ngram + 1, self.gamma)
+        self.tally = AcceptanceTally(max_ngram + 1, self.gamma)
         self.model_confidence = np.full(self.gamma, 0.5)  # running mean of the model's c_k
         # request id -> [(tally row, index of the first drafted token, draft)] not yet scored
         self._open: dict[str, list[tuple[int, int, np.ndarray]]] = {}
         self.lookup_rows = self.model_rows = 0  # how often each drafted, for logs and tests
 
     def fresh_copy(self) -> LookupFirstDrafter:
-        return LookupFirstDrafter(self.lookup, self.model.fresh_copy(), self.ema)
+        return LookupFirstDrafter(self.model.fresh_copy(), self.max_ngram, self.ema)
 
     def admit(self, request: Request) -> None:
         self.model.admit(request)
@@ -90,9 +91,9 @@ class LookupFirstDrafter(Drafter):
             return DraftBlock(torch.zeros((0, width), dtype=torch.int64, device=self.device), None)
         histories = [np.asarray(r.all_token_ids) for r in requests]
         self._score(requests, histories)
-        matches = [longest_match(h, width, self.lookup.max_ngram) for h in histories]
+        matches = [longest_match(h, width, self.max_ngram) for h in histories]
         lookup_lengths = np.array([len(found) for _, found in matches])
-        lookup_rates = np.stack([self.tally.rates(n)[:width] for n, _ in matches])
+        lookup_rates = self.tally.rates(np.array([n for n, _ in matches]))[:, :width]
         model_gain = expected_accepted(self.model_rates()[None, :width], np.array([width]))[0]
         use_lookup = (lookup_lengths > 0) & (expected_accepted(lookup_rates, lookup_lengths) > model_gain)
         for request, (n, found) in zip(requests, matches, strict=True):

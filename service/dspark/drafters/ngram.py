@@ -12,10 +12,7 @@ from dspark.drafters.base import DraftBlock, Drafter
 from dspark.engine.request import Request
 from dspark.engine.sampler import SamplingTensors
 
-
-def lookup_continuation(tokens: np.ndarray, gamma: int, max_ngram: int, min_ngram: int = 1) -> np.ndarray:
-    """Tokens that followed the most recent earlier match of the longest trailing n-gram."""
-    return longest_match(tokens, gamma, max_ngram, min_ngram)[1]
+MAX_NGRAM = 3  # the longest trailing n-gram looked up
 
 
 def longest_match(
@@ -37,7 +34,7 @@ class NgramDrafter(Drafter):
 
     name = "ngram"
 
-    def __init__(self, gamma: int, max_ngram: int = 3, device: torch.device | str = "cpu") -> None:
+    def __init__(self, gamma: int, max_ngram: int = MAX_NGRAM, device: torch.device | str = "cpu") -> None:
         self.gamma = gamma
         self.max_ngram = max_ngram
         self.device = torch.device(device)
@@ -48,7 +45,7 @@ class NgramDrafter(Drafter):
         tokens = np.zeros((len(requests), self.gamma), dtype=np.int64)
         valid = np.zeros(len(requests), dtype=np.int64)
         for i, request in enumerate(requests):
-            found = lookup_continuation(np.asarray(request.all_token_ids), self.gamma, self.max_ngram)
+            _, found = longest_match(np.asarray(request.all_token_ids), self.gamma, self.max_ngram)
             tokens[i, : len(found)] = found
             valid[i] = len(found)
         return DraftBlock(
