@@ -101,7 +101,7 @@ def test_bad_requests_are_refused_and_lose_nothing(tiny_dirs):
 
 
 def test_kv_cache_larger_than_memory_is_refused():
-    from dspark.engine.kv_cache import check_kv_budget
+    from dspark.models.kv_cache import check_kv_budget
 
     check_kv_budget(1024, 16, 2048, torch.device("cpu"))  # 32 MiB fits
     with pytest.raises(ValueError, match=r"KV cache .* needs 32768.0 GiB"):

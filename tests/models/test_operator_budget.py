@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dspark.engine.forward_batch import ForwardBatch
+from dspark.models.forward_batch import ForwardBatch
 from dspark.models.loader import load_target_model
 from dspark.profiling.operators import OperatorCount
 

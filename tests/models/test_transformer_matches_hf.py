@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dspark.engine.forward_batch import ForwardBatch
-from dspark.engine.kv_cache import KVCache
 from dspark.models.config import head_dim
+from dspark.models.forward_batch import ForwardBatch
+from dspark.models.kv_cache import KVCache
 from dspark.models.loader import load_target_model
 from transformers import AutoModelForCausalLM
 

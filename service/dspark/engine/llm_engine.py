@@ -17,7 +17,6 @@ from dspark.drafters.checkpoint import SharedWeights
 from dspark.drafters.factory import load_drafter, resolve_drafter_spec
 from dspark.engine.config import EngineConfig, resolve_device, resolve_dtype
 from dspark.engine.detokenizer import Detokenizer
-from dspark.engine.kv_cache import KVCache, check_kv_budget
 from dspark.engine.model_runner import ModelRunner, StepForward
 from dspark.engine.outputs import RequestOutput, RequestStats, StepStats, TokenLogprob
 from dspark.engine.request import Request, RequestStatus
@@ -27,6 +26,7 @@ from dspark.engine.scheduler import Scheduler, StepPlan
 from dspark.engine.stopping import append_tokens, new_text
 from dspark.engine.verifier import verify_draft_tokens, verify_greedy
 from dspark.models.config import head_dim
+from dspark.models.kv_cache import KVCache, check_kv_budget
 from dspark.models.loader import load_target_model
 from dspark.models.pull import resolve_target
 from dspark.policies.base import VerifyPolicy

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.engine.forward_batch import ForwardBatch
-from dspark.engine.kv_cache import KVCache
 from dspark.engine.scheduler import StepPlan
+from dspark.models.forward_batch import ForwardBatch
+from dspark.models.kv_cache import KVCache
 from dspark.models.transformer import DecoderModel, ForwardOutput
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from dspark.engine.kv_cache import KVCache
 from dspark.engine.request import Request, RequestStatus
+from dspark.models.kv_cache import KVCache
 
 
 @dataclass

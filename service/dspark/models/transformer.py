@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from dspark.engine.forward_batch import ForwardBatch, ShortGroup
-from dspark.engine.kv_cache import KVCache
 from dspark.models.config import head_dim
+from dspark.models.forward_batch import ForwardBatch, ShortGroup
+from dspark.models.kv_cache import KVCache
 from dspark.models.norm import RMSNorm
 from dspark.models.rotary import RotaryEmbedding, apply_rotary
 from dspark.models.sdpa import attention, fold_query_heads, without_cudnn_attention

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from dspark.engine.forward_batch import ForwardBatch
+from dspark.models.forward_batch import ForwardBatch
 from dspark.profiling.device import current_device_name
 from dspark.profiling.grid import default_grid
 from dspark.profiling.sps_profile import SpsPoint, SpsProfile
