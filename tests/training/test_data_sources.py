@@ -96,5 +96,5 @@ def test_selection_with_nothing_usable_raises(tmp_path, monkeypatch):
 def test_unknown_source_and_missing_sources_are_refused():
     with pytest.raises(ValueError, match="unknown training source"):
         load_source("wikipedia")
-    with pytest.raises(ValueError, match="at least one entry"):
+    with pytest.raises(ValueError, match="at least one entry in sources, raw_text or corpus"):
         DataConfig()

@@ -1,4 +1,4 @@
-"""`dspark train CONFIG`: self-distillation data, target features, drafter training, export."""
+"""`dspark train CONFIG`: target features, drafter training, export; `dspark train data`: the corpus."""
 
 from __future__ import annotations
 
@@ -8,7 +8,21 @@ from pathlib import Path
 import click
 
 
-@click.command()
+class _TrainGroup(click.Group):
+    """`dspark train CONFIG ...` runs the `run` subcommand, so the one-config form keeps working."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in ("--help", "-h"):
+            args = ["run", *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group(cls=_TrainGroup)
+def train() -> None:
+    """Train drafters (`dspark train CONFIG`) and grow the self-distilled corpus (`dspark train data`)."""
+
+
+@train.command("run")
 @click.argument("config", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--device", default=None, help="Override the config's device (auto | cpu | cuda | cuda:N).")
 @click.option(
@@ -24,14 +38,20 @@ import click
     help="Also copy the exported drafter here (e.g. the shipped-drafter directory).",
 )
 @click.option("--data-only", is_flag=True, help="Only build the data directory (prompts, samples, features).")
+@click.option(
+    "--skip-bad-shards",
+    is_flag=True,
+    help="Leave out corpus shards that are truncated or corrupt (each is reported by file name).",
+)
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
-def train(
+def run(
     config: Path,
     device: str | None,
     max_steps: int | None,
     stop_after: int | None,
     export_to: Path | None,
     data_only: bool,
+    skip_bad_shards: bool,
     no_progress: bool,
 ) -> None:
     """Train a DSpark, DFlash or EAGLE-3 drafter as described by CONFIG (YAML or JSON).
@@ -42,6 +62,7 @@ def train(
 
     from dspark.training.config import TrainConfig
     from dspark.training.prompts import NoUsableData
+    from dspark.training.shards import ShardError
     from dspark.training.sources import SourceUnavailable
     from dspark.validation import describe
 
@@ -64,16 +85,102 @@ def train(
             from dspark.training.pipeline import prepare_data
 
             dev = resolve_device(cfg.device)
-            shards = prepare_data(cfg, dev, resolve_dtype(cfg.dtype, dev), progress=not no_progress)
+            shards = prepare_data(
+                cfg,
+                dev,
+                resolve_dtype(cfg.dtype, dev),
+                progress=not no_progress,
+                skip_bad_shards=skip_bad_shards,
+            )
             click.echo(f"data ready: {len(shards)} feature shards in {cfg.data_dir}")
             return
         from dspark.training.run import run_training
 
-        out = run_training(cfg, progress=not no_progress, stop_after=stop_after, export_to=export_to)
-    except (NoUsableData, SourceUnavailable, ValueError) as exc:
+        out = run_training(
+            cfg,
+            progress=not no_progress,
+            stop_after=stop_after,
+            export_to=export_to,
+            skip_bad_shards=skip_bad_shards,
+        )
+    except (NoUsableData, SourceUnavailable, ShardError, ValueError) as exc:
         # Missing corpora, unusable data and a data or state directory written by another config.
         raise click.ClickException(str(exc)) from exc
     if out is None:
         click.echo(f"stopped; state saved in {cfg.out_dir} (rerun to continue)")
     else:
         click.echo(f"drafter written to {out}")
+
+
+@train.command("data")
+@click.option(
+    "--add-shards", type=click.IntRange(min=1), required=True, help="Generate this many new shards."
+)
+@click.option(
+    "--corpus",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Corpus directory with its corpus.yaml [default: data/selfdistill/smollm2-135m].",
+)
+@click.option("--device", default="auto", show_default=True, help="auto | cpu | cuda | cuda:N")
+@click.option(
+    "--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto", show_default=True
+)
+@click.option(
+    "--batch", type=click.IntRange(min=1), default=256, show_default=True, help="Requests decoded at once."
+)
+@click.option(
+    "--max-batch-tokens",
+    type=click.IntRange(min=16),
+    default=None,
+    help="Token budget of one forward [default: 2 x batch].",
+)
+@click.option(
+    "--work-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("runs/selfdistill"),
+    show_default=True,
+    help="Where unfinished shards keep their finished responses (an interrupted run resumes from it).",
+)
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def data(
+    add_shards: int,
+    corpus: Path | None,
+    device: str,
+    dtype: str,
+    batch: int,
+    max_batch_tokens: int | None,
+    work_dir: Path,
+    no_progress: bool,
+) -> None:
+    """Grow a self-distilled corpus by its next shards (the target's own responses, plain decoding)."""
+    from pydantic import ValidationError
+
+    from dspark.training.corpus import DEFAULT_CORPUS
+    from dspark.training.corpus import add_shards as generate
+    from dspark.training.prompts import NoUsableData
+    from dspark.training.shards import ShardError
+    from dspark.training.sources import SourceUnavailable
+    from dspark.validation import describe
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    corpus = corpus or DEFAULT_CORPUS
+    try:
+        report = generate(
+            corpus,
+            add_shards,
+            device=device,
+            dtype=dtype,
+            batch=batch,
+            max_batch_tokens=max_batch_tokens,
+            work_dir=work_dir,
+            progress=not no_progress,
+        )
+    except ValidationError as exc:
+        raise click.ClickException(f"{corpus}: {describe(exc)}") from exc
+    except (NoUsableData, SourceUnavailable, ShardError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(
+        f"{len(report.shards)} shards written to {corpus} ({report.new_tokens} new tokens in "
+        f"{report.seconds:.0f} s, {report.tokens_per_s:.0f} tokens/s)"
+    )

@@ -16,7 +16,7 @@ class _Strict(BaseModel):
 
 
 class SourceSpec(_Strict):
-    source: str = Field(description="sharegpt | champ | neetcode | jsonl:PATH")
+    source: str = Field(description="sharegpt | champ | neetcode | rg-math | jsonl:PATH")
     domains: dict[str, int] = Field(description="Prompts to take per domain, e.g. {chat: 400, code: 200}.")
 
 
@@ -27,6 +27,11 @@ class DataConfig(_Strict):
     raw_text: list[SourceSpec] = Field(
         default_factory=list,
         description="Prompts with the corpus's own answers (no generation); p^t still comes from the target.",
+    )
+    corpus: list[Path] = Field(
+        default_factory=list,
+        description="Self-distilled corpus directories (e.g. data/selfdistill/smollm2-135m): every shard "
+        "in them is used as it is, nothing is regenerated.",
     )
     max_prompt_tokens: int = Field(256, ge=8)
     max_new_tokens: int = Field(256, ge=8)
@@ -46,8 +51,8 @@ class DataConfig(_Strict):
 
     @model_validator(mode="after")
     def _some_source(self) -> DataConfig:
-        if not self.sources and not self.raw_text:
-            raise ValueError("data needs at least one entry in sources or raw_text")
+        if not self.sources and not self.raw_text and not self.corpus:
+            raise ValueError("data needs at least one entry in sources, raw_text or corpus")
         return self
 
 

@@ -1,4 +1,5 @@
-"""The data stages of `dspark train`: prompts -> self-distilled samples -> stored target features.
+"""The data stages of `dspark train`: samples (committed corpus shards, or prompts answered here)
+-> stored target features.
 
 Each stage writes its output under `data_dir` and is skipped when that output is complete, so
 the drafters of one target share one data directory and an interrupted run resumes.
@@ -49,16 +50,94 @@ def _record_time(cfg: TrainConfig, stage: str, seconds: float) -> None:
 
 
 def prepare_data(
-    cfg: TrainConfig, device: torch.device, dtype: torch.dtype, progress: bool = True
+    cfg: TrainConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    progress: bool = True,
+    skip_bad_shards: bool = False,
 ) -> list[Path]:
-    """Run the missing data stages; returns the feature shard paths."""
-    from dspark.commands.generate import encode_prompt
+    """Run the missing data stages; returns the feature shard paths.
+
+    Samples come from the committed corpus shards (`data.corpus`, read as they are) and from
+    `data.sources` / `data.raw_text` (generated here); each group of samples has its own feature
+    shards, so a corpus that grows only adds feature shards for its new shards.
+    """
     from dspark.models.pull import resolve_target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     check_manifest(cfg)
-    data_dir = cfg.data_dir
     model_dir = resolve_target(cfg.target)
+    groups: list[tuple[Path, list[dict]]] = []  # (feature directory, samples)
+    if cfg.data.sources or cfg.data.raw_text:
+        groups.append((cfg.data_dir, _prompt_samples(cfg, model_dir, device, dtype, progress)))
+    groups += _corpus_samples(cfg, model_dir, skip_bad_shards)
+    if not any(samples for _, samples in groups):
+        raise NoUsableData(f"{cfg.data_dir}: no sample has a response of at least 2 tokens")
+
+    paths_of = {d: [d / SHARD_PATTERN.format(i) for i in range((len(s) + 255) // 256)] for d, s in groups}
+    missing = [(d, s) for d, s in groups if not all(p.is_file() for p in paths_of[d])]
+    if missing:
+        start = time.perf_counter()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        for feature_dir, samples in missing:
+            feature_dir.mkdir(parents=True, exist_ok=True)
+            extract_features(
+                model,
+                samples,
+                cfg.data.feature_layers,
+                feature_dir,
+                cfg.data.feature_batch_tokens,
+                progress=progress,
+            )
+        del model
+        _record_time(cfg, "features", time.perf_counter() - start)
+    return [p for d, _ in groups for p in paths_of[d]]
+
+
+def _corpus_samples(cfg: TrainConfig, model_dir: Path, skip_bad: bool) -> list[tuple[Path, list[dict]]]:
+    """Per corpus shard: its feature directory (named by the shard's content hash) and samples."""
+    from dspark.training.corpus import target_name
+    from dspark.training.shards import load_corpus, target_identity
+
+    if not cfg.data.corpus:
+        return []
+    identity = target_identity(target_name(cfg.target), model_dir)
+    groups = []
+    for corpus_dir in cfg.data.corpus:
+        if not corpus_dir.is_dir():
+            raise NoUsableData(f"corpus directory {corpus_dir} does not exist")
+        shards = load_corpus(corpus_dir, identity, skip_bad=skip_bad)
+        if not shards:
+            log.warning("corpus %s holds no usable shard", corpus_dir)
+        for shard in shards:
+            feature_dir = (
+                cfg.data_dir
+                / "corpus-features"
+                / f"{corpus_dir.resolve().name}-{shard.path.stem}-{shard.manifest.bin_sha256[:12]}"
+            )
+            samples = [
+                {"prompt_ids": s.prompt_ids, "response_ids": s.response_ids, "domain": s.domain}
+                for s in shard.samples
+                if len(s.response_ids) >= 2
+            ]
+            groups.append((feature_dir, samples))
+    log.info(
+        "corpus: %d shards, %d responses, %d response tokens",
+        len(groups),
+        sum(len(s) for _, s in groups),
+        sum(len(x["response_ids"]) for _, s in groups for x in s),
+    )
+    return groups
+
+
+def _prompt_samples(
+    cfg: TrainConfig, model_dir: Path, device: torch.device, dtype: torch.dtype, progress: bool
+) -> list[dict]:
+    """Samples of `data.sources` (answered here by the target) and `data.raw_text`."""
+    from dspark.commands.generate import encode_prompt
+    from transformers import AutoTokenizer
+
+    data_dir = cfg.data_dir
     prompts_path = data_dir / PROMPTS_FILE
     if not prompts_path.is_file():
         start = time.perf_counter()
@@ -104,22 +183,7 @@ def prepare_data(
     samples = [s for s in generated + raw if len(s["response_ids"]) >= 2]
     if not samples:
         raise NoUsableData(f"{samples_path}: no sample has a response of at least 2 tokens")
-
-    n_shards = (len(samples) + 255) // 256
-    if not all((data_dir / SHARD_PATTERN.format(i)).is_file() for i in range(n_shards)):
-        start = time.perf_counter()
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-        extract_features(
-            model,
-            samples,
-            cfg.data.feature_layers,
-            data_dir,
-            cfg.data.feature_batch_tokens,
-            progress=progress,
-        )
-        del model
-        _record_time(cfg, "features", time.perf_counter() - start)
-    return [data_dir / SHARD_PATTERN.format(i) for i in range(n_shards)]
+    return samples
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

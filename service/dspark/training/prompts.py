@@ -21,6 +21,44 @@ class NoUsableData(ValueError):
     """The configured sources yield nothing to train on."""
 
 
+class PromptFilter:
+    """Drops duplicates (by normalised text) and prompts overlapping an evaluation set; `report`
+    says what it removed and which evaluation sets it checked."""
+
+    def __init__(self, decontaminate: bool, require_eval_sets: bool, ngram: int) -> None:
+        sets = EvalSets.installed() if decontaminate else EvalSets()
+        if decontaminate and sets.missing:
+            message = f"evaluation sets not installed, overlap with them is not checked: {sets.missing}"
+            if require_eval_sets:
+                raise NoUsableData(message)
+            log.warning(message)
+        self._overlap = OverlapFilter(sets.prompts, n=ngram)
+        self._seen: set[str] = set()
+        self.report: dict = {
+            "eval_sets": {name: len(p) for name, p in sets.prompts.items()},
+            "missing_eval_sets": sets.missing,
+            "ngram": ngram,
+            "dropped": {},
+            "examples": [],
+            "duplicates": 0,
+            "too_long": 0,
+        }
+
+    def admit(self, text: str) -> bool:
+        key = normalise(text)
+        if key in self._seen:
+            self.report["duplicates"] += 1
+            return False
+        self._seen.add(key)
+        hit = self._overlap.match(text)
+        if hit is not None:
+            self.report["dropped"][hit] = self.report["dropped"].get(hit, 0) + 1
+            if len(self.report["examples"]) < 20:
+                self.report["examples"].append({"eval_set": hit, "prompt": text[:200]})
+            return False
+        return True
+
+
 def select_prompts(cfg: DataConfig, tokenizer, encode) -> tuple[list[dict], dict]:
     """Prompts (dicts with text, domain, source, prompt_ids; raw-text ones also response_ids) and
     an overlap report. Self-distillation prompts come first, then the raw-text ones.
@@ -28,24 +66,9 @@ def select_prompts(cfg: DataConfig, tokenizer, encode) -> tuple[list[dict], dict
     `encode(tokenizer, text)` gives the chat-templated prompt ids; prompts longer than
     `max_prompt_tokens` are skipped (long ShareGPT pastes would dominate the budget).
     """
-    sets = EvalSets.installed() if cfg.decontaminate else EvalSets()
-    if cfg.decontaminate and sets.missing:
-        message = f"evaluation sets not installed, overlap with them is not checked: {sets.missing}"
-        if cfg.require_eval_sets:
-            raise NoUsableData(message)
-        log.warning(message)
-    overlap = OverlapFilter(sets.prompts, n=cfg.ngram)
-    report: dict = {
-        "eval_sets": {name: len(p) for name, p in sets.prompts.items()},
-        "missing_eval_sets": sets.missing,
-        "ngram": cfg.ngram,
-        "dropped": {},
-        "examples": [],
-        "duplicates": 0,
-        "too_long": 0,
-    }
+    admitted = PromptFilter(cfg.decontaminate, cfg.require_eval_sets, cfg.ngram)
+    report = admitted.report
     rng = random.Random(cfg.seed)
-    seen: set[str] = set()
     chosen: list[dict] = []
     specs = [(spec, False) for spec in cfg.sources] + [(spec, True) for spec in cfg.raw_text]
     eos = tokenizer.eos_token_id
@@ -65,16 +88,7 @@ def select_prompts(cfg: DataConfig, tokenizer, encode) -> tuple[list[dict], dict
                     break
                 if raw and not prompt.response:
                     continue
-                key = normalise(prompt.text)
-                if key in seen:
-                    report["duplicates"] += 1
-                    continue
-                seen.add(key)
-                hit = overlap.match(prompt.text)
-                if hit is not None:
-                    report["dropped"][hit] = report["dropped"].get(hit, 0) + 1
-                    if len(report["examples"]) < 20:
-                        report["examples"].append({"eval_set": hit, "prompt": prompt.text[:200]})
+                if not admitted.admit(prompt.text):
                     continue
                 ids = encode(tokenizer, prompt.text)
                 if len(ids) > cfg.max_prompt_tokens:

@@ -47,6 +47,7 @@ def run_training(
     progress: bool = True,
     stop_after: int | None = None,
     export_to: Path | None = None,
+    skip_bad_shards: bool = False,
 ) -> Path | None:
     """Prepare the data, train (resuming), export; returns the exported directory (None if stopped early)."""
     from dspark.models.pull import resolve_target
@@ -54,7 +55,7 @@ def run_training(
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     start = time.perf_counter()
-    shards = prepare_data(cfg, device, dtype, progress=progress)
+    shards = prepare_data(cfg, device, dtype, progress=progress, skip_bad_shards=skip_bad_shards)
     sequences = [
         s
         for s in load_sequences(shards, cfg.data.feature_layers, cfg.target_layer_ids)

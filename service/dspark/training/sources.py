@@ -4,6 +4,8 @@
   math / chat by simple content rules (ShareGPT holds many programming and some math questions);
 - `champ`: the 270 competition-math problems of CHAMP (`champ-dataset` wheel);
 - `neetcode`: the NeetCode-150 problem list (`dsa-tracker-mcp` wheel) phrased as coding requests;
+- `rg-math`: seeded math problems from reasoning-gym's procedural generators (arithmetic, algebra,
+  number theory, probability, calendar / time word problems; `reasoning-gym` wheel);
 - `jsonl:PATH`: any file of `{"prompt": ..., "domain": ...}` lines (own data, tests).
 Every loader is deterministic; sampling and the evaluation-overlap filter happen in `prompts.py`.
 """
@@ -119,6 +121,45 @@ def neetcode_prompts() -> Iterator[Prompt]:
             )
 
 
+# reasoning-gym generators used by `rg-math` (GSM-Symbolic is left out: it is built from GSM8K test
+# questions, which are held out for evaluation), and how many problems each contributes.
+RG_MATH_TASKS = (
+    "basic_arithmetic",
+    "chain_sum",
+    "decimal_arithmetic",
+    "decimal_chain_sum",
+    "fraction_simplification",
+    "gcd",
+    "lcm",
+    "leg_counting",
+    "prime_factorization",
+    "products",
+    "time_intervals",
+    "calendar_arithmetic",
+    "simple_equations",
+    "polynomial_equations",
+    "polynomial_multiplication",
+    "simple_integration",
+    "complex_arithmetic",
+    "count_primes",
+    "dice",
+    "number_sequence",
+)
+RG_MATH_PER_TASK = 250
+
+
+def rg_math_prompts() -> Iterator[Prompt]:
+    try:
+        import reasoning_gym
+    except ImportError as exc:
+        raise SourceUnavailable("rg-math", "pip install reasoning-gym") from exc
+    for task in RG_MATH_TASKS:
+        for entry in reasoning_gym.create_dataset(task, size=RG_MATH_PER_TASK, seed=0):
+            text = str(entry["question"]).strip()
+            if text:
+                yield Prompt(text, "math", f"rg-math:{task}", str(entry.get("answer") or "") or None)
+
+
 def jsonl_prompts(path: str | Path) -> Iterator[Prompt]:
     with open(path) as f:
         for line_no, line in enumerate(f, 1):
@@ -140,10 +181,15 @@ class SourceUnavailable(RuntimeError):
 
 
 def load_source(spec: str) -> list[Prompt]:
-    """All prompts of one source spec: sharegpt | champ | neetcode | jsonl:PATH."""
+    """All prompts of one source spec: sharegpt | champ | neetcode | rg-math | jsonl:PATH."""
     if spec.startswith("jsonl:"):
         return list(jsonl_prompts(spec.split(":", 1)[1]))
-    loaders = {"sharegpt": sharegpt_prompts, "champ": champ_prompts, "neetcode": neetcode_prompts}
+    loaders = {
+        "sharegpt": sharegpt_prompts,
+        "champ": champ_prompts,
+        "neetcode": neetcode_prompts,
+        "rg-math": rg_math_prompts,
+    }
     if spec not in loaders:
         raise ValueError(f"unknown training source {spec!r}; expected one of {sorted(loaders)} or jsonl:PATH")
     return list(loaders[spec]())
