@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from dspark.training.config import DataConfig
@@ -91,6 +92,14 @@ def test_selection_with_nothing_usable_raises(tmp_path, monkeypatch):
     cfg = DataConfig(sources=[{"source": f"jsonl:{path}", "domains": {"math": 5}}])
     with pytest.raises(NoUsableData, match="no usable training prompts"):
         select_prompts(cfg, _Tok(), _encode)
+
+
+def test_a_missing_source_wheel_names_its_install(monkeypatch):
+    from dspark.training.sources import SourceUnavailable
+
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # the wheel not installed
+    with pytest.raises(SourceUnavailable, match=r"'rg-math' is not installed \(pip install reasoning-gym\)"):
+        load_source("rg-math")
 
 
 def test_unknown_source_and_missing_sources_are_refused():
