@@ -78,3 +78,27 @@ def engine_on(model_dir, drafter: Drafter, policy: str, tokenizer=None, **config
         torch.float32,
         str(model_dir),
     )
+
+
+def reference_logits(logits: torch.Tensor, prompt: list[int], output: list[int], params) -> torch.Tensor:
+    """Processed logits of one position, token by token (independent of `logits_processors`):
+    logit_bias, repetition over prompt + output, frequency and presence over the output."""
+    x = logits.clone().float()
+    for token, bias in params.logit_bias.items():
+        x[token] += bias
+    seen = set(prompt) | set(output)
+    for t in range(x.shape[-1]):
+        if t in seen:
+            x[t] = x[t] / params.repetition_penalty if x[t] > 0 else x[t] * params.repetition_penalty
+        count = output.count(t)
+        x[t] -= params.frequency_penalty * count + params.presence_penalty * (count > 0)
+    return x
+
+
+def reference_probs(logits: torch.Tensor, params) -> torch.Tensor:
+    """Temperature, then min_p (no top-k / top-p), as a plain softmax; greedy is one-hot."""
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).float()
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    probs = torch.where(probs < params.min_p * probs.max(), 0.0, probs)
+    return probs / probs.sum()

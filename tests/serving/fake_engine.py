@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from dspark.engine.outputs import RequestOutput, StepStats, TokenLogprob
+from dspark.engine.outputs import RequestOutput, RequestStats, StepStats, TokenLogprob
 from dspark.engine.sampling_params import SamplingParams
 
 EOS = 0
@@ -50,6 +50,7 @@ class _Req:
     text: str = ""
     rng: random.Random | None = None
     prefilled: bool = False
+    stats: RequestStats = field(default_factory=RequestStats)
 
 
 class FakeEngine:
@@ -74,6 +75,7 @@ class FakeEngine:
         self._waiting: list[_Req] = []
         self._owner: int | None = None
         self.steps = 0
+        self.received: list[tuple[list[int], SamplingParams]] = []  # every accepted request
 
     def _check_thread(self) -> None:
         # The engine is not thread-safe: everything must come from one thread.
@@ -102,6 +104,7 @@ class FakeEngine:
         rid = request_id or uuid.uuid4().hex
         rng = random.Random(params.seed) if params.seed is not None else random.Random()
         self._waiting.append(_Req(rid, list(prompt_token_ids), params, on_output, rng=rng))
+        self.received.append((list(prompt_token_ids), params))
         return rid
 
     def abort_request(self, request_id: str) -> None:
@@ -113,7 +116,10 @@ class FakeEngine:
                     self._emit(r, [], "", True, "abort")
 
     def _emit(self, r: _Req, ids, text, finished, reason, logprobs=None) -> RequestOutput:
-        out = RequestOutput(r.rid, ids, text, finished, reason, None, logprobs, len(r.prompt), len(r.out))
+        stats = r.stats if finished else None
+        out = RequestOutput(
+            r.rid, ids, text, finished, reason, None, logprobs, len(r.prompt), len(r.out), stats
+        )
         if r.on_output:
             r.on_output(out)
         return out
@@ -144,6 +150,10 @@ class FakeEngine:
             stats.num_drafts += 1
             stats.num_draft_tokens += 3
             stats.num_accepted_tokens += k - 1
+            r.stats.rounds += 1
+            r.stats.drafts += 1
+            r.stats.draft_tokens += 3
+            r.stats.accepted_tokens += k - 1
             for pos in range(k - 1):
                 stats.accepted_per_position[pos] += 1
             stats.verify_budgets.append(3)

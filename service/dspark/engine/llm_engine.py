@@ -17,6 +17,7 @@ from dspark.drafters.checkpoint import SharedWeights
 from dspark.drafters.factory import load_drafter, resolve_drafter_spec
 from dspark.engine.config import EngineConfig, resolve_device, resolve_dtype
 from dspark.engine.detokenizer import Detokenizer
+from dspark.engine.logits_processors import LogitsProcessors
 from dspark.engine.model_runner import ModelRunner, StepForward
 from dspark.engine.outputs import RequestOutput, RequestStats, StepStats, TokenLogprob
 from dspark.engine.request import Request, RequestStatus
@@ -223,10 +224,13 @@ class LLMEngine:
 
     def _draft(self, decodes: list[Request], horizon: int) -> Draft:
         t0 = time.perf_counter()
-        if horizon == 0:  # nothing to decode, or the policy does not draft this step
+        caps = [r.params.max_draft_tokens for r in decodes]  # per request; None: the policy decides
+        if None not in caps:
+            horizon = min(horizon, max(caps, default=0))
+        if horizon == 0:  # nothing to decode, the policy does not draft, or no request speculates
             empty = torch.zeros((len(decodes), 0), dtype=torch.int64, device=self.device)
             return Draft(DraftBlock(empty, None), [0] * len(decodes))
-        block = self.drafter.propose(decodes, self._sampling(decodes), horizon)
+        block = self.drafter.propose(decodes, self._sampling(decodes, drafting=True), horizon)
         t1 = time.perf_counter()
         width = min(horizon, block.tokens.shape[1])
         # On the host once, for the policy and the statistics below (one device copy per step).
@@ -234,7 +238,7 @@ class LLMEngine:
         fallbacks = getattr(self.policy, "fallbacks", 0)
         lengths = self.policy.schedule(confidences, width, len(decodes))
         self._stats.policy_fallback = getattr(self.policy, "fallbacks", 0) > fallbacks
-        limit = [r.remaining_tokens - 1 for r in decodes]  # the bonus token must fit in max_tokens
+        limit = _verify_limits(decodes)
         lengths = lengths.cpu().numpy()
         if block.num_valid is not None:
             lengths = np.minimum(lengths, block.num_valid.cpu().numpy())
@@ -271,6 +275,7 @@ class LLMEngine:
                 request.num_cached += 1 + n
                 request.stats.rounds += 1
                 request.stats.draft_tokens += draft.lengths[i]
+                request.stats.drafts += draft.lengths[i] > 0
                 request.stats.accepted_tokens += n
                 self._accept_counts(draft.lengths[i], n)
                 outputs.append(self._emit(request, new_tokens, row_logits[i, : n + 1]))
@@ -292,32 +297,39 @@ class LLMEngine:
             rows = torch.tensor(
                 [forward.logit_starts[len(decodes) + i] for i in completed], device=self.device
             )
+            first_logits = logits[rows]
+            if (processors := LogitsProcessors.build(done, logits.shape[-1], self.device)) is not None:
+                first_logits = processors.apply(first_logits)
             if all(r.params.greedy for r in done):
-                first = logits[rows].argmax(-1).tolist()
+                first = first_logits.argmax(-1).tolist()
             else:
                 sampling = self._sampling(done)
-                first = sample(logits_to_probs(logits[rows], sampling), sampling.generators).tolist()
+                first = sample(logits_to_probs(first_logits, sampling), sampling.generators).tolist()
             for request, token, row in zip(done, first, rows.tolist(), strict=True):
                 outputs.append(self._emit(request, [token], logits[row : row + 1]))
         return outputs
 
     def _verify(self, decodes, draft: Draft, row_logits, lengths, gamma_max: int):
-        """Rejection sampling; all-greedy batches skip the probabilities (same result, less work)."""
+        """Rejection sampling from the processed target distribution; all-greedy batches skip the
+        probabilities (same result, less work)."""
         tokens = draft.block.tokens[:, :gamma_max]
+        if (processors := LogitsProcessors.build(decodes, row_logits.shape[-1], self.device)) is not None:
+            row_logits = processors.apply(row_logits, tokens)
         if all(r.params.greedy for r in decodes):
             return verify_greedy(tokens, row_logits.argmax(-1), lengths)
         sampling = self._sampling(decodes)
         probs = draft.block.probs[:, :gamma_max] if draft.block.probs is not None else None
         return verify_draft_tokens(
-            tokens, probs, logits_to_probs(row_logits, sampling), lengths, sampling.generators
+            tokens, probs, logits_to_probs(row_logits, sampling), lengths, sampling.generators, draft.lengths
         )
 
     # ---- helpers --------------------------------------------------------------------------
 
-    def _sampling(self, requests: Sequence[Request]) -> SamplingTensors:
-        return SamplingTensors.from_params(
-            [r.params for r in requests], [r.generator for r in requests], self.device
-        )
+    def _sampling(self, requests: Sequence[Request], drafting: bool = False) -> SamplingTensors:
+        # A request that does not speculate keeps its generator out of drafting (its drafts are
+        # never verified), so its seeded output is its plain one.
+        generators = [None if drafting and r.params.max_draft_tokens == 0 else r.generator for r in requests]
+        return SamplingTensors.from_params([r.params for r in requests], generators, self.device)
 
     def _emit(self, request: Request, tokens: list[int], token_logits: torch.Tensor) -> RequestOutput:
         """Append tokens (with stop checks), detokenize the delta and deliver it."""
@@ -329,13 +341,14 @@ class LLMEngine:
         delta = ""
         if request.detokenizer is not None:
             delta = new_text(request, request.detokenizer.update(final=request.finish_reason is not None))
-        logprobs = None
+        logprobs, stats = None, None
         if request.params.logprobs is not None:
             logprobs = _logprobs(token_logits[:kept], tokens, request.params.logprobs)
         finished = request.finish_reason is not None
         if finished:
             request.stats.finish_time = now
             self._finish(request)
+            stats = request.stats
         output = RequestOutput(
             request.request_id,
             tokens,
@@ -345,6 +358,7 @@ class LLMEngine:
             logprobs=logprobs,
             num_prompt_tokens=len(request.prompt_token_ids),
             num_output_tokens=len(request.output_token_ids),
+            stats=stats,
         )
         self._deliver(request, output)
         return output
@@ -393,6 +407,17 @@ class LLMEngine:
             GenerationResult(i, r.text, list(r.output_token_ids), r.finish_reason, r.stats)
             for i, r in tracked.items()
         ]
+
+
+def _verify_limits(decodes: Sequence[Request]) -> list[int]:
+    """The most draft tokens each request may verify this step: room for the bonus token within
+    max_tokens, and the request's own cap (`max_draft_tokens`, 0 = no speculation)."""
+    return [
+        r.remaining_tokens - 1
+        if (cap := r.params.max_draft_tokens) is None
+        else min(r.remaining_tokens - 1, cap)
+        for r in decodes
+    ]
 
 
 def verification_logits(

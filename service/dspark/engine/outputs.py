@@ -25,6 +25,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    stats: RequestStats | None = None  # on the finishing output: the request's speculation figures
 
 
 @dataclass
@@ -33,6 +34,7 @@ class RequestStats:
 
     rounds: int = 0  # verification rounds (decode steps)
     draft_tokens: int = 0  # draft tokens sent to verification
+    drafts: int = 0  # rounds that verified at least one draft token
     accepted_tokens: int = 0  # draft tokens accepted
     arrival_time: float = 0.0
     first_token_time: float | None = None

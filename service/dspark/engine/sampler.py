@@ -1,4 +1,4 @@
-"""Pure tensor sampling: temperature, top-k, top-p and per-request seeded draws.
+"""Pure tensor sampling: temperature, min-p, top-k, top-p and per-request seeded draws.
 
 The same `logits_to_probs` is applied to target and draft logits, so the draft
 distribution a token was drawn from is exactly the one verification compares
@@ -22,6 +22,7 @@ class SamplingTensors:
     temperature: torch.Tensor  # [R] float32, 0 for greedy rows
     top_k: torch.Tensor  # [R] int64, 0 = off
     top_p: torch.Tensor  # [R] float32, 1 = off
+    min_p: torch.Tensor  # [R] float32, 0 = off
     generators: Sequence[torch.Generator | None]  # per row; None draws from the global RNG
     # Every row greedy, known on the host (asking the device would sync every draft position);
     # False only costs the full sampling path.
@@ -38,6 +39,7 @@ class SamplingTensors:
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
             generators=list(generators) if generators is not None else [None] * len(params),
             all_greedy=all(p.greedy for p in params),
         )
@@ -55,13 +57,14 @@ class SamplingTensors:
             self.temperature[idx],
             self.top_k[idx],
             self.top_p[idx],
+            self.min_p[idx],
             [self.generators[i] for i in rows],
             all_greedy=self.all_greedy,
         )
 
 
 def logits_to_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """Logits [R, ..., V] -> float32 probabilities after temperature, top-k and top-p.
+    """Logits [R, ..., V] -> float32 probabilities after temperature, min-p, top-k and top-p (vLLM's order).
 
     Greedy rows become one-hot at the argmax, so verification of greedy requests reduces to
     "accept while the draft token equals the target argmax".
@@ -72,6 +75,9 @@ def logits_to_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     temp = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
     x = x / temp[:, None, None]
 
+    m = torch.where(greedy, 0.0, st.min_p)
+    if bool((m > 0).any()):
+        x = _apply_min_p(x, m)
     k = torch.where(greedy, 0, st.top_k)
     if bool((k > 0).any()):
         x = _apply_top_k(x, k)
@@ -99,6 +105,12 @@ def draw(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch
     return sample(probs, st.generators), probs
 
 
+def _apply_min_p(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    probs = torch.softmax(x, dim=-1)
+    threshold = m[:, None, None] * probs.amax(-1, keepdim=True)
+    return x.masked_fill(probs < threshold, float("-inf"))
+
+
 def _apply_top_k(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     vocab = x.shape[-1]
     k = torch.where(k > 0, k.clamp(max=vocab), vocab)
@@ -117,9 +129,16 @@ def _apply_top_p(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 def random_rows(
-    shape: Sequence[int], generators: Sequence[torch.Generator | None], device: torch.device, kind: str
+    shape: Sequence[int],
+    generators: Sequence[torch.Generator | None],
+    device: torch.device,
+    kind: str,
+    used: Sequence[bool] | None = None,
 ) -> torch.Tensor:
-    """Random tensor [R, ...]: rows with a generator draw from it, the rest from the global RNG."""
+    """Random tensor [R, ...]: rows with a generator draw from it, the rest from the global RNG.
+
+    Rows marked unused (their values are never read) leave their generator untouched, so a seeded
+    request consumes the same draws whether or not its neighbours need these."""
     out = torch.empty(tuple(shape), dtype=torch.float32, device=device)
     draw = (
         (lambda t, g=None: t.exponential_(generator=g))
@@ -128,7 +147,7 @@ def random_rows(
     )
     draw(out)
     for i, g in enumerate(generators):
-        if g is not None:
+        if g is not None and (used is None or used[i]):
             draw(out[i], g)
     return out
 

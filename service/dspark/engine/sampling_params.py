@@ -4,9 +4,15 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+MAX_LOGIT_BIAS = 300  # entries per request, as OpenAI allows
+
 
 class SamplingParams(BaseModel):
-    """How one request is sampled and when it stops. `temperature == 0` means greedy."""
+    """How one request is sampled and when it stops. `temperature == 0` means greedy.
+
+    Penalties and `logit_bias` change the target distribution itself (greedy takes the argmax of
+    the processed logits); `min_p`, top-k and top-p truncate it after temperature.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -14,11 +20,19 @@ class SamplingParams(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop tokens below min_p x the top probability.")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="Over prompt and output tokens.")
+    logit_bias: dict[int, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS)
     seed: int | None = Field(None, description="Per-request seed for reproducible sampling.")
     stop: list[str] = Field(default_factory=list, max_length=16)
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=20, description="Return this many top logprobs per token.")
+    max_draft_tokens: int | None = Field(
+        None, ge=0, description="Cap on draft tokens verified per step (0 = no speculation; None = policy's)."
+    )
 
     @field_validator("stop")
     @classmethod
@@ -27,6 +41,33 @@ class SamplingParams(BaseModel):
             raise ValueError("stop strings must be non-empty")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, v: dict[int, float]) -> dict[int, float]:
+        for token, bias in v.items():
+            if token < 0:
+                raise ValueError(f"logit_bias token id {token} is negative")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias of token {token} is {bias}; it must lie in [-100, 100]")
+        return v
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the target's logits need `logits_processors` before sampling or argmax."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
+
+    def for_samples(self, n: int) -> list[SamplingParams]:
+        """Parameters of n parallel samples: with a seed, sample i gets seed + i (as vLLM), so a
+        seeded request with n > 1 is reproducible and its samples differ."""
+        if n == 1 or self.seed is None:
+            return [self] * n
+        return [self.model_copy(update={"seed": (self.seed + i) % 2**63}) for i in range(n)]

@@ -15,13 +15,17 @@ def verify_draft_tokens(
     target_probs: torch.Tensor,
     lengths: torch.Tensor,
     generators: Sequence[torch.Generator | None],
+    host_lengths: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept a prefix of each request's draft and sample the token that follows it.
 
     draft_tokens [R, G]; draft_probs [R, G, V] (the distributions the tokens were drawn from;
     None means deterministic one-hot drafts, e.g. n-gram lookup); target_probs [R, G + 1, V]
     (target distribution after each verified input, already temperature/top-k/top-p
-    processed); lengths [R] the verify length l_r <= G of each request (0 = plain decode).
+    processed); lengths [R] the verify length l_r <= G of each request (0 = plain decode);
+    host_lengths, the same on the host when known: a seeded row with l_r = 0 then draws exactly
+    what plain decoding draws from its generator (one token), so speculation turned off for one
+    request reproduces its plain output while its neighbours speculate.
 
     Returns (num_accepted [R], next_token [R]): the next token is drawn from the residual
     norm(max(0, p_t - p_d)) at the first rejection, or from p_t after the last verified
@@ -38,7 +42,8 @@ def verify_draft_tokens(
     else:
         q_x = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)
         ratio = (p_x / q_x.clamp_min(torch.finfo(q_x.dtype).tiny)).clamp(max=1.0)
-    u = random_rows((num_rows, gamma), generators, target_probs.device, "uniform")
+    used = [n > 0 for n in host_lengths] if host_lengths is not None else None
+    u = random_rows((num_rows, gamma), generators, target_probs.device, "uniform", used)
     in_budget = torch.arange(gamma, device=lengths.device)[None, :] < lengths[:, None]
     accepted = (u < ratio) & in_budget
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)

@@ -64,7 +64,8 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
         loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
         where = ".".join(loc) or "body"
         param = param or (where if loc else None)
-        parts.append(f"{where}: {err.get('msg', 'invalid value')}")
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        parts.append(msg if where == "body" and err.get("type") == "value_error" else f"{where}: {msg}")
     if len(errors) > 5:
         parts.append(f"... and {len(errors) - 5} more")
     return "; ".join(parts) or "invalid request", param

@@ -1,13 +1,17 @@
-"""Request schemas of the OpenAI-compatible API. Unknown fields are rejected (400), as are bad values."""
+"""Request schemas of the OpenAI-compatible API. Unknown fields are rejected (400), as are bad values,
+and so are known fields that ask for something this server does not do (the reason named)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 MAX_STOP = 16
 MAX_LOGPROBS = 20
+MAX_N = 128
+MAX_PROMPTS = 256
+MAX_LOGIT_BIAS = 300
 _TOKEN_ID = Annotated[int, Field(ge=0, lt=2**31)]
 
 
@@ -17,6 +21,50 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: StrictBool = False
+
+
+class SpeculativeOptions(_Strict):
+    """Extension: per-request speculation. `enabled: false` decodes this request without drafts
+    while its batch neighbours speculate; `max_draft_tokens` caps its verify length per step."""
+
+    enabled: StrictBool = True
+    max_draft_tokens: int | None = Field(None, ge=0, le=64)
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if not self.enabled and self.max_draft_tokens:
+            raise ValueError("max_draft_tokens > 0 contradicts enabled: false")
+        return self
+
+    @property
+    def cap(self) -> int | None:
+        return 0 if not self.enabled else self.max_draft_tokens
+
+
+# Known fields that ask for something this server does not do: refused with the reason (a field
+# accepted while what it asks for is ignored would be worse). `None` counts as absent.
+_UNSUPPORTED: dict[str, str] = {
+    "tools": "tool calling is not supported (this server has no tool-call parser)",
+    "functions": "function calling is not supported (this server has no tool-call parser)",
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    "reasoning_effort": "this model has no reasoning-effort control",
+    "prompt_logprobs": "prompt logprobs are not supported",
+    "min_tokens": "min_tokens is not supported",
+    "suffix": "suffix (insertion) is not supported",
+    "structured_outputs": "structured outputs are not supported yet",
+    "guided_json": "guided decoding is not supported yet",
+    "guided_regex": "guided decoding is not supported yet",
+    "guided_choice": "guided decoding is not supported yet",
+    "guided_grammar": "guided decoding is not supported yet",
+}
+_UNSUPPORTED_COMMON = (
+    "prompt_logprobs",
+    "min_tokens",
+    "structured_outputs",
+    *(k for k in _UNSUPPORTED if k.startswith("guided_")),
+)
 
 
 class _SamplingFields(_Strict):
@@ -32,8 +80,25 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[_TOKEN_ID] | None = Field(None, max_length=MAX_STOP)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
+    n: int = Field(1, ge=1, le=MAX_N, description="Parallel samples per prompt.")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="vLLM extension; 1 = off.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="vLLM extension; 0 = off.")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (as a string) -> bias in [-100, 100]."
+    )
+    speculative: SpeculativeOptions | None = Field(
+        None, description="DSpark extension: per-request speculation."
+    )
+    return_spec_stats: StrictBool = Field(
+        False, description="DSpark extension: add `spec_decode_stats` to the response (or final chunk)."
+    )
+    # Metadata: stored nowhere, changes nothing about the output.
     user: str | None = Field(None, max_length=256)
+    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(None, max_length=16)
+    store: StrictBool | None = None
+    service_tier: str | None = Field(None, max_length=32)
     ignore_eos: StrictBool = False
     return_tokens_as_token_ids: StrictBool = Field(
         False, description="vLLM extension: logprob tokens are spelled 'token_id:<id>'."
@@ -51,6 +116,42 @@ class _SamplingFields(_Strict):
             raise ValueError(f"at most {MAX_STOP} stop strings")
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if not v:
+            return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries")
+        for key, bias in v.items():
+            if not key.isdigit() or int(key) >= 2**31:
+                raise ValueError(f"logit_bias keys are token ids; {key!r} is not one")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias of token {key} is {bias}; it must lie in [-100, 100]")
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in cls.unsupported_fields():
+                if data.get(name) not in (None, []):
+                    raise ValueError(f"{name}: {_UNSUPPORTED[name]}")
+            cls._refuse_values(data)
+        return data
+
+    @classmethod
+    def _refuse_values(cls, data: dict[str, Any]) -> None:
+        """Values of accepted fields that ask for something unsupported (endpoint-specific)."""
+
+    @classmethod
+    def unsupported_fields(cls) -> tuple[str, ...]:
+        return _UNSUPPORTED_COMMON
+
+    @property
+    def token_bias(self) -> dict[int, float]:
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
+
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
@@ -61,21 +162,51 @@ class _SamplingFields(_Strict):
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
-    prompt: str | list[_TOKEN_ID] | list[str] = Field(description="Text, token ids, or a one-element list.")
+    prompt: str | list[_TOKEN_ID] | list[str] | list[list[_TOKEN_ID]] = Field(
+        description="Text, token ids, or a list of either (one choice per prompt and sample)."
+    )
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: Literal[False] = False
+    echo: StrictBool = Field(False, description="Prefix each choice's text with its prompt.")
+    best_of: int | None = Field(None, ge=1)
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v: str | list[int] | list[str]) -> str | list[int]:
-        if isinstance(v, list) and v and isinstance(v[0], str):
-            if len(v) != 1:
-                raise ValueError("only one prompt per request is supported")
-            v = v[0]
+    def _prompts(
+        cls, v: str | list[int] | list[str] | list[list[int]]
+    ) -> str | list[int] | list[str] | list[list[int]]:
         if len(v) == 0:
             raise ValueError("prompt must not be empty")
+        if isinstance(v, list) and isinstance(v[0], str | list):
+            if len(v) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+            if any(len(p) == 0 for p in v):
+                raise ValueError("prompts must not be empty")
         return v
+
+    @model_validator(mode="after")
+    def _completion_options(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of other than n is not supported (every sample is returned)")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs is not supported (it needs prompt logprobs)")
+        return self
+
+    @classmethod
+    def unsupported_fields(cls) -> tuple[str, ...]:
+        return (*_UNSUPPORTED_COMMON, "suffix")
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, one per element (a single prompt is a list of one)."""
+        v = self.prompt
+        if isinstance(v, list) and isinstance(v[0], str | list):
+            return list(v)
+        return [v]
+
+
+class TextFormat(_Strict):
+    type: Literal["text"]
 
 
 class TextPart(_Strict):
@@ -100,6 +231,35 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
+    # Accepted while they ask for nothing: no tools, no tool call, plain text.
+    tool_choice: Literal["none"] | None = Field(None, description="Only `none`: tools are not supported.")
+    parallel_tool_calls: StrictBool | None = Field(None, description="Metadata without tools.")
+    function_call: Literal["none"] | None = None
+    response_format: TextFormat | None = None
+    modalities: list[Literal["text"]] | None = None
+
+    @classmethod
+    def _refuse_values(cls, data: dict[str, Any]) -> None:
+        choice = data.get("tool_choice")
+        if choice not in (None, "none"):
+            raise ValueError(
+                f"tool_choice: only 'none' is supported, not {choice!r} ({_UNSUPPORTED['tools']})"
+            )
+        fmt = data.get("response_format")
+        if isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema"):
+            raise ValueError(f"response_format: {fmt['type']} is not supported yet (only 'text')")
+
+    @classmethod
+    def unsupported_fields(cls) -> tuple[str, ...]:
+        return (
+            *_UNSUPPORTED_COMMON,
+            "tools",
+            "functions",
+            "audio",
+            "prediction",
+            "web_search_options",
+            "reasoning_effort",
+        )
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):

@@ -7,6 +7,8 @@ directly and the KServe front end through a deployment handle.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -16,9 +18,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from dspark.engine.outputs import RequestOutput, TokenLogprob
+from dspark.engine.outputs import RequestOutput, RequestStats, TokenLogprob
 from dspark.engine.sampling_params import SamplingParams
-from dspark.serving.engine_loop import AsyncEngineClient, EngineStopped, QueueFull
+from dspark.serving.engine_loop import AsyncEngineClient, EngineStopped, QueueFull, RequestStream
 from dspark.serving.errors import APIError, bad_request, error_body
 from dspark.serving.metrics import ServingMetrics
 from dspark.serving.openai_schemas import ChatCompletionRequest, CompletionRequest
@@ -50,6 +52,7 @@ class ServiceLimits:
     max_prompt_tokens: int
     max_output_tokens: int
     retry_after_s: int = 1
+    max_sequences: int | None = None  # KV cache slots: the most samples one request may ask for
 
 
 class OpenAIService:
@@ -95,12 +98,19 @@ class OpenAIService:
         arrival = time.monotonic()
         try:
             self._check_model(req.model)
-            prompt_ids = self._completion_prompt(req)
-            params = self._sampling_params(req, len(prompt_ids), req.max_tokens, req.logprobs)
+            prompts = [self._completion_prompt(p) for p in req.prompts]
+            params = [self._sampling_params(req, len(ids), req.max_tokens, req.logprobs) for ids in prompts]
+            self._check_sequences(req.n, prompts, params)
         except APIError as e:
             yield _error_reply(e)
             return
-        async for frame in self._generate("completion", req, prompt_ids, params, arrival):
+        echo = None
+        if req.echo:
+            echo = [
+                p if isinstance(p, str) else self.tokenizer.decode(ids)
+                for p, ids in zip(req.prompts, prompts, strict=True)
+            ]
+        async for frame in self._generate("completion", req, prompts, params, arrival, echo):
             yield frame
 
     async def chat(self, req: ChatCompletionRequest) -> AsyncIterator[Frame]:
@@ -110,10 +120,11 @@ class OpenAIService:
             prompt_ids = self._chat_prompt(req)
             top = (req.top_logprobs or 0) if req.logprobs else None
             params = self._sampling_params(req, len(prompt_ids), req.output_limit, top)
+            self._check_sequences(req.n, [prompt_ids], [params])
         except APIError as e:
             yield _error_reply(e)
             return
-        async for frame in self._generate("chat", req, prompt_ids, params, arrival):
+        async for frame in self._generate("chat", req, [prompt_ids], [params], arrival):
             yield frame
 
     # Request validation --------------------------------------------------------------------------
@@ -126,11 +137,11 @@ class OpenAIService:
                 code="model_not_found",
             )
 
-    def _completion_prompt(self, req: CompletionRequest) -> list[int]:
-        if isinstance(req.prompt, str):
-            ids = self.tokenizer.encode(req.prompt)
+    def _completion_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
         else:
-            ids = list(req.prompt)
+            ids = list(prompt)
             bad = [t for t in ids if t >= self._vocab_size]
             if bad:
                 raise bad_request(
@@ -156,6 +167,21 @@ class OpenAIService:
         if not ids:
             raise bad_request("the conversation is empty after tokenization", "messages")
         return ids
+
+    def _check_sequences(self, n: int, prompts: list[list[int]], params: list[SamplingParams]) -> None:
+        """All samples of a request decode together, each in its own KV cache slot: refuse more
+        than the cache holds (it could never run them at once)."""
+        slots = self.limits.max_sequences
+        sequences = n * len(prompts)
+        if slots is None or sequences <= slots:
+            return
+        tokens = n * sum(len(ids) + p.max_tokens for ids, p in zip(prompts, params, strict=True))
+        raise bad_request(
+            f"n = {n} x {len(prompts)} prompt(s) asks for {sequences} sequences ({tokens} tokens of KV "
+            f"cache: prompt + max_tokens each), but the KV cache holds {slots} sequences (max_num_seqs) of "
+            f"at most {self.limits.max_model_len} tokens ({slots * self.limits.max_model_len} tokens)",
+            "n",
+        )
 
     def _sampling_params(
         self,
@@ -190,60 +216,112 @@ class OpenAIService:
                 "completion). Please reduce the prompt or max_tokens.",
                 "max_tokens",
             )
+        bias = req.token_bias
+        outside = [t for t in bias if t >= self._vocab_size]
+        if outside:
+            raise bad_request(
+                f"logit_bias token id {outside[0]} is outside the vocabulary (size {self._vocab_size})",
+                "logit_bias",
+            )
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
                 temperature=req.temperature,
                 top_p=req.top_p,
                 top_k=max(req.top_k, 0),
+                min_p=req.min_p,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty,
+                logit_bias=bias,
                 seed=req.seed,
                 stop=req.stop or [],
                 stop_token_ids=req.stop_token_ids or [],
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
+                max_draft_tokens=req.speculative.cap if req.speculative is not None else None,
             )
         except ValidationError as e:
             raise bad_request(f"invalid sampling parameters: {e.errors()[0]['msg']}") from None
 
     # Generation ----------------------------------------------------------------------------------
     async def _generate(
-        self, kind: str, req: Any, prompt_ids: list[int], params: SamplingParams, arrival: float
+        self,
+        kind: str,
+        req: Any,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        arrival: float,
+        echo: list[str] | None = None,
     ) -> AsyncIterator[Frame]:
+        """One engine request per prompt and sample (choice index prompt * n + sample, as OpenAI
+        numbers them), admitted together or not at all."""
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-        ctx = self.client.open(prompt_ids, params, request_id=rid)
-        try:
-            stream = await ctx.__aenter__()
-        except QueueFull as e:
-            yield JSONReply(
-                429,
-                error_body(429, f"server is at capacity ({e}); retry later", code="rate_limit_exceeded"),
-                {"Retry-After": str(self.limits.retry_after_s)},
+        children = [(ids, sp) for ids, p in zip(prompts, params, strict=True) for sp in p.for_samples(req.n)]
+        async with contextlib.AsyncExitStack() as stack:
+            streams = []
+            try:
+                for index, (ids, sp) in enumerate(children):
+                    child = rid if len(children) == 1 else f"{rid}-{index}"
+                    streams.append(
+                        await stack.enter_async_context(self.client.open(ids, sp, request_id=child))
+                    )
+            except QueueFull as e:
+                yield JSONReply(
+                    429,
+                    error_body(429, f"server is at capacity ({e}); retry later", code="rate_limit_exceeded"),
+                    {"Retry-After": str(self.limits.retry_after_s)},
+                )
+                return
+            except EngineStopped as e:
+                yield JSONReply(503, error_body(503, str(e)), {"Retry-After": str(self.limits.retry_after_s)})
+                return
+            except ValueError as e:
+                yield _error_reply(bad_request(str(e)))
+                return
+            render = _Renderer(
+                kind, rid, self.model_name, self.tokenizer, req, [len(p) for p in prompts], self.created, echo
             )
-            return
-        except EngineStopped as e:
-            yield JSONReply(503, error_body(503, str(e)), {"Retry-After": str(self.limits.retry_after_s)})
-            return
-        except ValueError as e:
-            yield _error_reply(bad_request(str(e)))
-            return
-        try:
-            render = _Renderer(kind, rid, self.model_name, self.tokenizer, req, len(prompt_ids), self.created)
-            timing = _Timing(arrival, self.metrics)
+            timings = [_Timing(arrival, self.metrics) for _ in children]
             if req.stream:
                 yield StreamStart()
-                async for out in stream:
-                    timing.observe(out)
-                    for event in render.chunks(out):
+                async for index, out in _merged(streams):
+                    timings[index].observe(out)
+                    for event in render.chunks(index, out):
                         yield sse(event)
+                for event in render.final_chunks():
+                    yield sse(event)
                 yield sse("[DONE]")
             else:
-                outs = []
-                async for out in stream:
-                    timing.observe(out)
-                    outs.append(out)
+                outs: list[list[RequestOutput]] = [[] for _ in children]
+                async for index, out in _merged(streams):
+                    timings[index].observe(out)
+                    outs[index].append(out)
                 yield render.full(outs)
-        finally:
-            await ctx.__aexit__(None, None, None)
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) from several request streams as they arrive."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        async for out in stream:
+            queue.put_nowait((index, out))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            index, out = await queue.get()
+            remaining -= out.finished
+            yield index, out
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 class _Timing:
@@ -273,32 +351,68 @@ class _Timing:
             self.metrics.observe_finished(t - self.arrival, self.tokens, decode_s)
 
 
+@dataclass
+class _Choice:
+    """Streaming state of one choice."""
+
+    text_offset: int = 0
+    sent_role: bool = False
+    num_tokens: int = 0
+    echo: str = ""  # prompt text still to be sent in front of the first text
+    stats: RequestStats | None = None
+
+
 class _Renderer:
     """Turns engine outputs into OpenAI response bodies (whole or as stream chunks)."""
 
     def __init__(
-        self, kind: str, rid: str, model: str, tokenizer: Any, req: Any, prompt_len: int, created: int
+        self,
+        kind: str,
+        rid: str,
+        model: str,
+        tokenizer: Any,
+        req: Any,
+        prompt_lens: list[int],
+        created: int,
+        echo: list[str] | None = None,
     ):
         self.kind, self.rid, self.model, self.tok, self.req = kind, rid, model, tokenizer, req
-        self.prompt_len = prompt_len
+        self.prompt_tokens = sum(prompt_lens)
         self.created = created
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         self.as_ids = req.return_tokens_as_token_ids
-        self.num_tokens = 0
-        self.text_offset = 0
-        self.sent_role = False
+        n = req.n
+        self.choices = [_Choice(echo=echo[i // n] if echo else "") for i in range(n * len(prompt_lens))]
 
     def _token(self, token_id: int) -> str:
         return f"token_id:{token_id}" if self.as_ids else self.tok.decode([token_id])
 
-    def _usage(self, completion_tokens: int) -> dict[str, int]:
+    def _usage(self) -> dict[str, int]:
+        completion = sum(c.num_tokens for c in self.choices)
         return {
-            "prompt_tokens": self.prompt_len,
-            "completion_tokens": completion_tokens,
-            "total_tokens": self.prompt_len + completion_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
         }
 
-    def _logprobs(self, lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    def _spec_stats(self) -> dict[str, Any]:
+        """The request's speculation figures, summed over its choices (tau as `RequestStats.tau`)."""
+        total = RequestStats()
+        for c in self.choices:
+            if c.stats is not None:
+                total.rounds += c.stats.rounds
+                total.drafts += c.stats.drafts
+                total.draft_tokens += c.stats.draft_tokens
+                total.accepted_tokens += c.stats.accepted_tokens
+        return {
+            "rounds": total.rounds,
+            "drafts": total.drafts,
+            "draft_tokens": total.draft_tokens,
+            "accepted_tokens": total.accepted_tokens,
+            "tau": round(total.tau, 4),
+        }
+
+    def _logprobs(self, choice: _Choice, lps: list[TokenLogprob] | None) -> dict[str, Any] | None:
         if lps is None:
             return None
         if self.kind == "chat":
@@ -306,8 +420,8 @@ class _Renderer:
         tokens = [self._token(lp.token_id) for lp in lps]
         offsets = []
         for t in tokens:
-            offsets.append(self.text_offset)
-            self.text_offset += len(t) if not self.as_ids else 0
+            offsets.append(choice.text_offset)
+            choice.text_offset += len(t) if not self.as_ids else 0
         return {
             "tokens": tokens,
             "token_logprobs": [_finite(lp.logprob) for lp in lps],
@@ -330,77 +444,96 @@ class _Renderer:
             ],
         }
 
-    def full(self, outs: list[RequestOutput]) -> JSONReply:
-        last = outs[-1]
-        if last.finish_reason == "error":
-            return JSONReply(500, error_body(500, last.error or "generation failed"))
-        text = "".join(o.new_text for o in outs)
-        n = last.num_output_tokens or sum(len(o.new_token_ids) for o in outs)
-        lps = None
-        if any(o.logprobs is not None for o in outs):
-            lps = self._logprobs([lp for o in outs for lp in (o.logprobs or [])])
-        if self.kind == "chat":
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": lps,
-                "finish_reason": last.finish_reason,
-            }
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": lps, "finish_reason": last.finish_reason}
-            obj = "text_completion"
+    def full(self, outs: list[list[RequestOutput]]) -> JSONReply:
+        for choice_outs in outs:
+            if choice_outs[-1].finish_reason == "error":
+                return JSONReply(500, error_body(500, choice_outs[-1].error or "generation failed"))
+        choices = []
+        for index, (state, choice_outs) in enumerate(zip(self.choices, outs, strict=True)):
+            last = choice_outs[-1]
+            text = state.echo + "".join(o.new_text for o in choice_outs)
+            state.num_tokens = last.num_output_tokens or sum(len(o.new_token_ids) for o in choice_outs)
+            state.stats = last.stats
+            lps = None
+            if any(o.logprobs is not None for o in choice_outs):
+                lps = self._logprobs(state, [lp for o in choice_outs for lp in (o.logprobs or [])])
+            if self.kind == "chat":
+                choices.append(
+                    {
+                        "index": index,
+                        "message": {"role": "assistant", "content": text},
+                        "logprobs": lps,
+                        "finish_reason": last.finish_reason,
+                    }
+                )
+            else:
+                choices.append(
+                    {"index": index, "text": text, "logprobs": lps, "finish_reason": last.finish_reason}
+                )
         body = {
             "id": self.rid,
-            "object": obj,
+            "object": "chat.completion" if self.kind == "chat" else "text_completion",
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
-            "usage": self._usage(n),
+            "choices": choices,
+            "usage": self._usage(),
         }
+        if self.req.return_spec_stats:
+            body["spec_decode_stats"] = self._spec_stats()
         return JSONReply(200, body)
 
-    def chunks(self, out: RequestOutput) -> list[dict[str, Any]]:
+    @property
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+
+    def chunks(self, index: int, out: RequestOutput) -> list[dict[str, Any]]:
         if out.finish_reason == "error":
             return [error_body(500, out.error or "generation failed")]
-        self.num_tokens = out.num_output_tokens or self.num_tokens + len(out.new_token_ids)
-        events = []
-        lps = self._logprobs(out.logprobs) if out.logprobs else None
+        state = self.choices[index]
+        state.num_tokens = out.num_output_tokens or state.num_tokens + len(out.new_token_ids)
+        if out.finished:
+            state.stats = out.stats
+        lps = self._logprobs(state, out.logprobs) if out.logprobs else None
+        text, state.echo = state.echo + out.new_text, ""
         if self.kind == "chat":
             delta: dict[str, Any] = {}
-            if not self.sent_role:
+            if not state.sent_role:
                 delta["role"] = "assistant"
-                self.sent_role = True
-            if out.new_text or "role" in delta:
-                delta["content"] = out.new_text
-            choice = {"index": 0, "delta": delta, "logprobs": lps, "finish_reason": out.finish_reason}
-            obj = "chat.completion.chunk"
+                state.sent_role = True
+            if text or "role" in delta:
+                delta["content"] = text
+            choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": out.finish_reason}
         else:
-            choice = {"index": 0, "text": out.new_text, "logprobs": lps, "finish_reason": out.finish_reason}
-            obj = "text_completion"
+            choice = {"index": index, "text": text, "logprobs": lps, "finish_reason": out.finish_reason}
         chunk = {
             "id": self.rid,
-            "object": obj,
+            "object": self._chunk_object,
             "created": self.created,
             "model": self.model,
             "choices": [choice],
         }
         if self.include_usage:
             chunk["usage"] = None
-        if out.new_text or out.finished or lps or choice.get("delta"):
-            events.append(chunk)
-        if out.finished and self.include_usage:
-            events.append(
-                {
-                    "id": self.rid,
-                    "object": obj,
-                    "created": self.created,
-                    "model": self.model,
-                    "choices": [],
-                    "usage": self._usage(self.num_tokens),
-                }
-            )
-        return events
+        if text or out.finished or lps or choice.get("delta"):
+            return [chunk]
+        return []
+
+    def final_chunks(self) -> list[dict[str, Any]]:
+        """After every choice finished: usage and the speculation figures, when asked for."""
+        if not (self.include_usage or self.req.return_spec_stats):
+            return []
+        chunk: dict[str, Any] = {
+            "id": self.rid,
+            "object": self._chunk_object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+        }
+        if self.include_usage:
+            chunk["usage"] = self._usage()
+        if self.req.return_spec_stats:
+            chunk["spec_decode_stats"] = self._spec_stats()
+        return [chunk]
 
 
 def _finite(x: float) -> float:

@@ -21,7 +21,19 @@ log = logging.getLogger(__name__)
 V2_INPUT = "text_input"
 V2_OUTPUT = "text_output"
 # Sampling settings a v2 `infer` request may pass in its `parameters`.
-V2_PARAMETERS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+V2_PARAMETERS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "ignore_eos",
+)
 
 
 def load_engine(config: ServeConfig) -> Any:
@@ -65,6 +77,7 @@ class EngineReplica:
             max_prompt_tokens=min(config.max_prompt_tokens or max_len - 1, max_len - 1),
             max_output_tokens=config.max_output_tokens,
             retry_after_s=config.retry_after_s,
+            max_sequences=ecfg.max_num_seqs,
         )
         self.service = OpenAIService(
             self.client,
