@@ -212,11 +212,13 @@ def add_shards(
     batch: int = 256,
     max_batch_tokens: int | None = None,
     work_dir: Path = DEFAULT_WORK_DIR,
+    threads: int | None = None,
     progress: bool = True,
     stop_after_responses: int | None = None,
 ) -> GenerationReport:
     """Generate the next `count` shards of a corpus. `stop_after_responses` interrupts the run
-    after that many finished responses (tests of resuming)."""
+    after that many finished responses (tests of resuming). `threads` sets torch's CPU threads."""
+    import torch
     from dspark.commands.generate import encode_prompt
     from dspark.engine.config import EngineConfig
     from dspark.engine.llm_engine import LLMEngine
@@ -224,6 +226,8 @@ def add_shards(
     from dspark.models.pull import resolve_target
     from transformers import AutoTokenizer
 
+    if threads is not None:
+        torch.set_num_threads(threads)
     spec = CorpusSpec.load(corpus_dir)
     model_dir = resolve_target(spec.target)
     identity = target_identity(target_name(spec.target), model_dir)
