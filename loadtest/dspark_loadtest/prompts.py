@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from dspark.bench.prompts import BUILTIN_PROMPTS
+from dspark.prompts.builtin import BUILTIN_PROMPTS
 
 from dspark_loadtest.tiers import Workload
 

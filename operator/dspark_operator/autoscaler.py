@@ -6,13 +6,13 @@ import contextlib
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from dspark.sps_format import SpsProfile
 from prometheus_client import Gauge
 
 from dspark_operator import builders
 from dspark_operator.config import OperatorConfig
 from dspark_operator.kube import Kube
 from dspark_operator.metrics import PodMetricsReader, PrometheusMetricsReader
-from dspark_operator.profile import SpsProfile
 from dspark_operator.profiling import Event
 from dspark_operator.scaling import (
     CapacityModel,

@@ -7,7 +7,8 @@ import json
 import re
 from typing import Any
 
-from dspark_operator.profile import PROFILE_BEGIN, PROFILE_END
+from dspark.sps_format import PROFILE_BEGIN, PROFILE_END
+
 from dspark_operator.spec import GROUP, KIND, VERSION, ServiceSpec, TierSpec
 
 MANAGED_BY = "dspark-operator"

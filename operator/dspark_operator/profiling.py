@@ -10,9 +10,10 @@ import datetime
 from dataclasses import dataclass, field
 from typing import Any
 
+from dspark.sps_format import SpsProfile, extract_profile_from_log
+
 from dspark_operator import builders
 from dspark_operator.kube import Kube, KubeError
-from dspark_operator.profile import SpsProfile, extract_profile_from_log
 from dspark_operator.spec import ServiceSpec
 
 LABEL_ATTEMPT = "dspark.ai/attempt"

@@ -27,7 +27,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from dspark_operator.profile import SpsProfile
+from dspark.sps_format import SpsProfile
 
 MAX_CONCURRENCY_SEARCH = 4096
 

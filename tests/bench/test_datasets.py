@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from dspark.bench.datasets import EVAL_DOMAINS, load_eval_prompts
+from dspark.prompts.eval_sets import EVAL_DOMAINS, load_eval_prompts
 
 SIZES = {"math": 1319, "code": 164, "chat": 80}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from dspark.bench.oracle import OracleEngine
+from dspark.builder import sibling_engine
 from dspark.drafters.ngram import NoDrafter
 from dspark.engine.sampling_params import SamplingParams
 from dspark.policies.factory import build_policy
@@ -26,7 +27,7 @@ def test_oracle_verifies_only_accepted_tokens_and_keeps_greedy_output(plain):
     def scripted() -> ScriptedDrafter:  # the same corrupted drafts for both engines
         return ScriptedDrafter(7, continuations, corrupt=0.3, vocab=plain.model.config.vocab_size)
 
-    oracle = OracleEngine.of(plain.sibling(scripted(), plain.policy))
+    oracle = OracleEngine.of(sibling_engine(plain, scripted(), plain.policy))
     assert oracle.policy.name == "oracle"
     results = oracle.generate(PROMPTS, GREEDY)
     assert [r.token_ids for r in results] == expected
@@ -35,7 +36,7 @@ def test_oracle_verifies_only_accepted_tokens_and_keeps_greedy_output(plain):
     assert oracle.untimed_s > 0
 
     # The whole block on the same drafts accepts as much, but verifies rejected tokens too.
-    full = plain.sibling(scripted(), build_policy("full"))
+    full = sibling_engine(plain, scripted(), build_policy("full"))
     wasted = full.generate(PROMPTS, GREEDY)
     assert [r.token_ids for r in wasted] == expected
     assert [r.stats.accepted_tokens for r in wasted] == [r.stats.accepted_tokens for r in results]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dspark.builder import engine_from_config, sibling_engine
 from dspark.drafters.ngram import NgramDrafter, NoDrafter
 from dspark.engine.config import EngineConfig
-from dspark.engine.llm_engine import LLMEngine
 from dspark.engine.sampling_params import SamplingParams
 from dspark.models.sdpa import folded_gqa_attention
 from dspark.policies.factory import build_policy
@@ -19,19 +19,19 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_greedy_speculation_equals_plain_on_cuda(smollm_dir):
-    plain = LLMEngine.from_config(EngineConfig(drafter="none", policy="none", dtype="float32", device="cuda"))
+    plain = engine_from_config(EngineConfig(drafter="none", policy="none", dtype="float32", device="cuda"))
     prompts = [
         plain.tokenizer.encode(t) for t in ("def fibonacci(n):", "The capital of France is", "1, 2, 3, 4,")
     ]
     params = SamplingParams(temperature=0, max_tokens=24)
     expected = [r.token_ids for r in plain.generate(prompts, params)]
-    spec = plain.sibling(NgramDrafter(7, device="cuda"), build_policy("static:5"))
+    spec = sibling_engine(plain, NgramDrafter(7, device="cuda"), build_policy("static:5"))
     assert [r.token_ids for r in spec.generate(prompts, params)] == expected
     assert [spec.generate([p], params)[0].token_ids for p in prompts] == expected
 
 
 def test_bf16_engine_generates_on_cuda(smollm_dir):
-    engine = LLMEngine.from_config(EngineConfig(drafter="ngram", policy="static:4", device="cuda"))
+    engine = engine_from_config(EngineConfig(drafter="ngram", policy="static:4", device="cuda"))
     assert engine.dtype == torch.bfloat16
     result = engine.generate(
         [engine.tokenizer.encode("Hello")], SamplingParams(temperature=1.0, max_tokens=16, seed=1)
@@ -40,7 +40,7 @@ def test_bf16_engine_generates_on_cuda(smollm_dir):
 
 
 def test_sampled_decoding_runs_with_seeds_on_cuda(smollm_dir):
-    engine = LLMEngine.from_config(EngineConfig(drafter="none", policy="none", device="cuda"))
+    engine = engine_from_config(EngineConfig(drafter="none", policy="none", device="cuda"))
     p = engine.tokenizer.encode("Once upon a time")
     params = SamplingParams(temperature=1.0, max_tokens=12, seed=7)
     assert engine.generate([p], params)[0].token_ids == engine.generate([p], params)[0].token_ids
@@ -58,9 +58,7 @@ def test_bench_decode_runs_every_system_on_cuda(smollm_dir):
 @pytest.mark.parametrize("policy", ["full", "dspark", "dspark-async"])
 def test_shipped_dspark_drafter_keeps_greedy_output_on_cuda(smollm_dir, policy):
     """The drafter's deferred context writes, the scheduler and the ragged verify on the GPU."""
-    base = LLMEngine.from_config(
-        EngineConfig(drafter="dspark", policy="none", dtype="float32", device="cuda")
-    )
+    base = engine_from_config(EngineConfig(drafter="dspark", policy="none", dtype="float32", device="cuda"))
     texts = (
         "def fibonacci(n):",
         "Explain why the sky is blue in two sentences.",
@@ -70,9 +68,11 @@ def test_shipped_dspark_drafter_keeps_greedy_output_on_cuda(smollm_dir, policy):
     prompts = [base.tokenizer.encode(t) for t in texts]
     params = SamplingParams(temperature=0, max_tokens=32)
     expected = [
-        r.token_ids for r in base.sibling(NoDrafter(), build_policy("none")).generate(prompts, params)
+        r.token_ids for r in sibling_engine(base, NoDrafter(), build_policy("none")).generate(prompts, params)
     ]
-    spec = base.sibling(base.drafter, build_policy(policy, sps=synthetic_profile(max_batch_tokens=512)))
+    spec = sibling_engine(
+        base, base.drafter, build_policy(policy, sps=synthetic_profile(max_batch_tokens=512))
+    )
     results = spec.generate(prompts, params)
     assert [r.token_ids for r in results] == expected
     assert sum(r.stats.draft_tokens for r in results) > 0

@@ -7,10 +7,10 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 import torch
-from dspark.drafters.base import DraftBlock, Drafter
 from dspark.drafters.factory import load_drafter
 from dspark.drafters.lookup_first import MODEL_ROW, AcceptanceTally, LookupFirstDrafter, expected_accepted
 from dspark.drafters.ngram import longest_match
+from dspark.engine.drafter import DraftBlock, Drafter
 from dspark.engine.request import Request
 from dspark.engine.sampler import SamplingTensors
 

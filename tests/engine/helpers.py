@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from dspark.drafters.base import DraftBlock, Drafter
 from dspark.engine.config import EngineConfig
+from dspark.engine.drafter import DraftBlock, Drafter
 from dspark.engine.llm_engine import LLMEngine
 from dspark.engine.request import Request
 from dspark.engine.sampler import SamplingTensors, logits_to_probs, sample

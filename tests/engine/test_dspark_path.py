@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dspark.bench.prompts import BUILTIN_PROMPTS
-from dspark.commands.generate import encode_prompt
+from dspark.builder import sibling_engine
 from dspark.drafters.checkpoint import SharedWeights
 from dspark.drafters.factory import load_drafter
 from dspark.drafters.ngram import NoDrafter
+from dspark.engine.prompt import encode_prompt
 from dspark.engine.sampling_params import SamplingParams
 from dspark.policies.factory import build_policy
 from dspark.profiling.synthetic import synthetic_profile
+from dspark.prompts.builtin import BUILTIN_PROMPTS
 from transformers import AutoTokenizer
 
 from tests.engine.helpers import engine_on
@@ -39,7 +40,7 @@ def engines(smollm_dir):
 def test_dspark_drafter_and_policies_keep_greedy_output(engines, policy):
     plain, drafter, prompts = engines
     expected = [r.token_ids for r in plain.generate(prompts, GREEDY)]
-    engine = plain.sibling(drafter, build_policy(policy, sps=synthetic_profile(max_batch_tokens=512)))
+    engine = sibling_engine(plain, drafter, build_policy(policy, sps=synthetic_profile(max_batch_tokens=512)))
     results = engine.generate(prompts, GREEDY)
     assert [r.token_ids for r in results] == expected
     assert drafter.gamma == 7 and sum(r.stats.rounds for r in results) > 0
@@ -47,7 +48,7 @@ def test_dspark_drafter_and_policies_keep_greedy_output(engines, policy):
 
 def test_dspark_drafter_samples_with_seeds(engines):
     plain, drafter, prompts = engines
-    engine = plain.sibling(drafter, build_policy("full"))
+    engine = sibling_engine(plain, drafter, build_policy("full"))
     params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=3)
     first = engine.generate(prompts[:2], params)
     assert all(len(r.token_ids) > 0 for r in first)
@@ -64,7 +65,7 @@ def test_steps_the_gate_skips_keep_greedy_output(engines, policy):
     verify_policy.gate.memory_rows = 1  # judge from the first drafted step on
     for r in range(1, 9):
         verify_policy.gate.cost.observe(r, 100.0)
-    engine = plain.sibling(drafter, verify_policy)
+    engine = sibling_engine(plain, drafter, verify_policy)
     results = engine.generate(prompts, GREEDY)
     assert [r.token_ids for r in results] == expected
     assert verify_policy.gate.skipped_steps > 0

@@ -1,4 +1,4 @@
-"""`LLMEngine.from_config`: the default drafter and policy, and the SPS profile of the profiled policies."""
+"""`engine_from_config`: the default drafter and policy, and the SPS profile of the profiled policies."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ from pathlib import Path
 
 import dspark.profiling.profiler as profiler
 import pytest
+from dspark.builder import engine_from_config
 from dspark.engine.config import EngineConfig
-from dspark.engine.llm_engine import LLMEngine
 from dspark.engine.sampling_params import SamplingParams
 from dspark.policies.dspark import DSparkPolicy
-from dspark.profiling.acquire import engine_identity
-from dspark.profiling.sps_profile import ProfileError, default_profile_path
+from dspark.profiling.acquire import default_profile_path, engine_identity
 from dspark.serving.config import ServeConfig
 from dspark.serving.replica import EngineReplica
+from dspark.sps_format import ProfileError
 
 from tests.conftest import write_tiny_model
 from tests.serving.conftest import make_client
@@ -72,13 +72,13 @@ def dspark_config(target: Path, **updates) -> EngineConfig:
 def test_auto_gives_a_confidence_drafter_the_dspark_policy_with_a_profile_measured_once(
     dspark_target, home, profiling_calls
 ):
-    engine = LLMEngine.from_config(dspark_config(dspark_target))
+    engine = engine_from_config(dspark_config(dspark_target))
     assert (engine.config.drafter, engine.config.policy) == (str(FIXTURE / "draft_vanilla"), "dspark")
     assert isinstance(engine.policy, DSparkPolicy) and len(profiling_calls) == 1
     assert default_profile_path(*engine_identity(engine)).is_file()
-    again = LLMEngine.from_config(dspark_config(dspark_target))  # the next start reuses it
+    again = engine_from_config(dspark_config(dspark_target))  # the next start reuses it
     assert len(profiling_calls) == 1 and isinstance(again.policy, DSparkPolicy)
-    plain = LLMEngine.from_config(dspark_config(dspark_target, drafter="none"))
+    plain = engine_from_config(dspark_config(dspark_target, drafter="none"))
     prompt = [5, 9, 17, 33, 65]
     assert engine.generate([prompt], GREEDY)[0].token_ids == plain.generate([prompt], GREEDY)[0].token_ids
 
@@ -86,19 +86,19 @@ def test_auto_gives_a_confidence_drafter_the_dspark_policy_with_a_profile_measur
 def test_a_configured_profile_path_is_used_and_a_foreign_one_replaced(
     dspark_target, home, profiling_calls, tmp_path, caplog
 ):
-    mine = LLMEngine.from_config(dspark_config(dspark_target))
+    mine = engine_from_config(dspark_config(dspark_target))
     saved = default_profile_path(*engine_identity(mine))
     kept = tmp_path / "kept.json"
     shutil.copy(saved, kept)
     saved.unlink()
-    LLMEngine.from_config(dspark_config(dspark_target, sps_profile=kept))
+    engine_from_config(dspark_config(dspark_target, sps_profile=kept))
     assert len(profiling_calls) == 1  # read from the configured path, not measured again
     foreign = tmp_path / "foreign.json"
     foreign.write_text(kept.read_text().replace(str(dspark_target), "another-model"))
     with pytest.raises(ProfileError, match="another-model"):
-        LLMEngine.from_config(dspark_config(dspark_target, sps_profile=foreign, strict_profile=True))
+        engine_from_config(dspark_config(dspark_target, sps_profile=foreign, strict_profile=True))
     with caplog.at_level(logging.WARNING):
-        LLMEngine.from_config(dspark_config(dspark_target, sps_profile=foreign))
+        engine_from_config(dspark_config(dspark_target, sps_profile=foreign))
     assert "profiling this engine instead" in caplog.text and len(profiling_calls) == 2
 
 
@@ -108,7 +108,7 @@ def test_a_replica_is_ready_on_the_profile_it_measured_when_the_named_one_is_bro
     broken = tmp_path / "mounted.json"
     broken.write_text("{not json")
     monkeypatch.setenv("DSPARK_SPS_PROFILE", str(broken))
-    replica = EngineReplica(ServeConfig(), LLMEngine.from_config(dspark_config(dspark_target)))
+    replica = EngineReplica(ServeConfig(), engine_from_config(dspark_config(dspark_target)))
     try:
         assert len(profiling_calls) == 1 and isinstance(replica.engine.policy, DSparkPolicy)
         with make_client(replica) as c:
@@ -119,7 +119,7 @@ def test_a_replica_is_ready_on_the_profile_it_measured_when_the_named_one_is_bro
 
 def test_strict_mode_refuses_to_start_without_a_profile(dspark_target, home, profiling_calls):
     with pytest.raises(ProfileError, match="not found"):
-        LLMEngine.from_config(dspark_config(dspark_target, strict_profile=True))
+        engine_from_config(dspark_config(dspark_target, strict_profile=True))
     assert profiling_calls == []
 
 
@@ -129,7 +129,7 @@ def test_auto_without_a_confidence_head(tmp_path, home, profiling_calls, drafter
     write_tiny_model(tmp_path, "llama")
     write_tiny_tokenizer(tmp_path)
     config = EngineConfig(target=str(tmp_path), drafter=drafter, dtype="float32", device="cpu")
-    engine = LLMEngine.from_config(config)
+    engine = engine_from_config(config)
     expected_drafter = "ngram" if drafter == "auto" else drafter
     assert (engine.config.drafter, engine.config.policy, engine.policy.name) == (
         expected_drafter,
@@ -142,7 +142,7 @@ def test_auto_without_a_confidence_head(tmp_path, home, profiling_calls, drafter
 @pytest.mark.slow
 def test_the_default_target_serves_its_shipped_dspark_drafter_by_default(home, profiling_calls):
     config = EngineConfig(dtype="float32", device="cpu", max_model_len=256, max_batch_tokens=32)
-    engine = LLMEngine.from_config(config)
+    engine = engine_from_config(config)
     assert (engine.config.drafter, engine.config.policy) == ("dspark", "dspark")
     assert engine.drafter.gives_confidences and engine.drafter.calibration is not None
     assert isinstance(engine.policy, DSparkPolicy) and len(profiling_calls) == 1

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dspark.bench.prompts import BUILTIN_PROMPTS
-from dspark.commands.generate import encode_prompt
+from dspark.builder import sibling_engine
 from dspark.drafters.lookup_first import LookupFirstDrafter
 from dspark.drafters.ngram import NgramDrafter, NoDrafter
+from dspark.engine.prompt import encode_prompt
 from dspark.engine.sampler import SamplingTensors, logits_to_probs
 from dspark.engine.sampling_params import SamplingParams
+from dspark.prompts.builtin import BUILTIN_PROMPTS
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.conftest import write_tiny_model
@@ -40,7 +41,7 @@ def test_greedy_speculation_equals_plain_decoding(reference, length):
     policy = f"static:{length}"
 
     # alone
-    engine = plain.sibling(scripted, _policy(policy))
+    engine = sibling_engine(plain, scripted, _policy(policy))
     for p, want in zip(prompts, expected, strict=True):
         got = engine.generate([p], GREEDY)[0]
         assert got.token_ids == want
@@ -48,7 +49,7 @@ def test_greedy_speculation_equals_plain_decoding(reference, length):
 
     # in one batch with sampled requests and different lengths mixed in
     for drafter in (scripted, NgramDrafter(7), LookupFirstDrafter(scripted)):
-        engine = plain.sibling(drafter, _policy(policy), max_batch_tokens=96)
+        engine = sibling_engine(plain, drafter, _policy(policy), max_batch_tokens=96)
         noise = [SamplingParams(temperature=1.0, max_tokens=n, seed=n) for n in (5, 30)]
         batch = prompts + prompts[:2]
         params = [GREEDY] * len(prompts) + noise

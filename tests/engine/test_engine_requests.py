@@ -142,7 +142,7 @@ def test_checkpoint_missing_weights_is_refused(tiny_dirs, tmp_path):
 
 
 def test_nan_confidences_fall_back_to_a_fixed_policy_and_stay_lossless(tiny_dirs, caplog):
-    from dspark.drafters.base import DraftBlock
+    from dspark.engine.drafter import DraftBlock
     from dspark.policies.factory import build_policy
     from dspark.profiling.synthetic import synthetic_profile
 

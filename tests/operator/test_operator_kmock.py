@@ -19,8 +19,8 @@ import kopf
 import kopf.testing
 import pytest
 from cluster_emulator import EmulatedCluster
+from dspark.sps_format import PROFILE_BEGIN, PROFILE_END
 from dspark_operator.kube import Kube, load_client_configuration
-from dspark_operator.profile import PROFILE_BEGIN, PROFILE_END
 from operator_fixtures import profile_json, service
 from prometheus_client import REGISTRY, CollectorRegistry, Gauge, Histogram, generate_latest
 

@@ -7,7 +7,7 @@ import math
 import random
 
 import pytest
-from dspark_operator.profile import SpsProfile
+from dspark.sps_format import SpsProfile
 from dspark_operator.scaling import (
     CapacityModel,
     ScalingMemory,

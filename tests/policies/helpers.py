@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dspark.engine.outputs import StepStats
-from dspark.profiling.sps_profile import SpsPoint, SpsProfile
+from dspark.sps_format import SpsPoint, SpsProfile
 
 
 def profile(sps: dict[int, float]) -> SpsProfile:

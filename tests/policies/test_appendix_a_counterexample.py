@@ -11,7 +11,7 @@ import torch
 from dspark.engine.verifier import verify_draft_tokens
 from dspark.policies.dspark import DSparkAsyncPolicy, DSparkPolicy
 from dspark.policies.prefix_scheduler import schedule_global_argmax
-from dspark.profiling.sps_profile import SpsPoint, SpsProfile
+from dspark.sps_format import SpsPoint, SpsProfile
 
 ROUNDS = 12_000  # sd of a frequency near 0.7 is sqrt(0.21 / 12000) = 0.0042; TOL is ~5 sd
 TOL = 0.02

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from dspark.engine.survival import survival_probabilities
 from dspark.policies.acceptance_scale import AcceptanceScale
 from dspark.policies.drafting_gate import DraftCost, DraftingGate
 from dspark.policies.dspark import DSparkAsyncPolicy, DSparkPolicy
-from dspark.policies.prefix_scheduler import schedule_prefix_greedy, survival_probabilities
-from dspark.profiling.online import OnlineSps
-from dspark.profiling.sps_profile import table_lookup
+from dspark.policies.prefix_scheduler import schedule_prefix_greedy
+from dspark.policies.sps_curve import OnlineSps, table_lookup
 from dspark.profiling.synthetic import synthetic_profile
 
 from tests.policies.helpers import step_stats

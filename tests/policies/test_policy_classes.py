@@ -8,8 +8,8 @@ import pytest
 import torch
 from dspark.policies.dspark import DSparkAsyncPolicy, DSparkPolicy
 from dspark.policies.prefix_scheduler import schedule_global_argmax, schedule_prefix_greedy, topk_survival
+from dspark.policies.sps_curve import OnlineSps
 from dspark.policies.threshold import ThresholdPolicy
-from dspark.profiling.online import OnlineSps
 from dspark.profiling.synthetic import synthetic_profile
 
 from tests.policies.helpers import profile, step_stats

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from dspark.engine.policy_spec import parse_policy
 from dspark.policies.dspark import DSparkAsyncPolicy, DSparkPolicy
-from dspark.policies.factory import build_policy, parse_policy
+from dspark.policies.factory import build_policy
+from dspark.policies.sps_curve import OnlineSps
 from dspark.policies.static import StaticPolicy
 from dspark.policies.threshold import ThresholdPolicy
-from dspark.profiling.online import OnlineSps
 from dspark.profiling.synthetic import synthetic_profile
 
 PROFILE = synthetic_profile(max_batch_tokens=256)

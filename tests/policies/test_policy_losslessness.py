@@ -13,10 +13,10 @@ import math
 import pytest
 import torch
 from dspark.engine.verifier import verify_draft_tokens
-from dspark.policies.base import VerifyPolicy
+from dspark.engine.verify_policy import VerifyPolicy
 from dspark.policies.factory import build_policy
 from dspark.policies.prefix_scheduler import schedule_global_argmax
-from dspark.profiling.sps_profile import SpsProfile
+from dspark.sps_format import SpsProfile
 
 from tests.policies.helpers import profile
 

@@ -15,7 +15,7 @@ from dspark.policies.prefix_scheduler import (
     schedule_prefix_greedy,
     topk_survival,
 )
-from dspark.profiling.sps_profile import SpsPoint, SpsProfile
+from dspark.sps_format import SpsPoint, SpsProfile
 
 
 def reference_schedule(conf: list[list[float]], sps: Callable[[int], float], early_break: bool) -> list[int]:

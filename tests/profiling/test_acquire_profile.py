@@ -7,8 +7,8 @@ import logging
 import dspark.profiling.profiler as profiler
 import pytest
 from dspark.drafters.ngram import NgramDrafter
-from dspark.profiling.acquire import acquire_profile, engine_identity
-from dspark.profiling.sps_profile import ProfileError, SpsProfile, default_profile_path
+from dspark.profiling.acquire import acquire_profile, default_profile_path, engine_identity
+from dspark.sps_format import ProfileError, SpsProfile
 
 from tests.engine.helpers import engine_on
 

@@ -6,8 +6,8 @@ import random
 
 import pytest
 import torch
-from dspark.profiling.online import OnlineSps
-from dspark.profiling.sps_profile import SpsPoint, SpsProfile
+from dspark.policies.sps_curve import OnlineSps
+from dspark.sps_format import SpsPoint, SpsProfile
 
 GRID = [1, 8, 16, 32, 64, 128, 256, 512]
 

@@ -6,9 +6,9 @@ import itertools
 from pathlib import Path
 
 import pytest
+from dspark.policies.sps_curve import OnlineSps
 from dspark.profiling.grid import default_grid
-from dspark.profiling.online import OnlineSps
-from dspark.profiling.plots import plot_lines
+from dspark.profiling.plots import plot_lines, plot_sps_profile
 from dspark.profiling.synthetic import synthetic_profile
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -36,7 +36,7 @@ def test_profile_plot_writes_a_png(tmp_path: Path) -> None:
     profile = synthetic_profile(max_batch_tokens=256)
     online = OnlineSps(profile)
     online.observe(100, 0.05)
-    path = profile.plot(tmp_path / "plots" / "sps.png", refined=online)
+    path = plot_sps_profile(profile, tmp_path / "plots" / "sps.png", refined=online)
     data = path.read_bytes()
     assert data.startswith(PNG_MAGIC) and len(data) > 5_000
 

@@ -8,14 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from dspark.policies.sps_curve import table_lookup
+from dspark.profiling.acquire import default_profile_path
 from dspark.profiling.device import current_device_name
-from dspark.profiling.sps_profile import (
-    ProfileError,
-    SpsPoint,
-    SpsProfile,
-    default_profile_path,
-    table_lookup,
-)
+from dspark.sps_format import ProfileError, SpsPoint, SpsProfile
 
 
 def valid_dict(**overrides) -> dict:
@@ -207,7 +203,7 @@ def test_profile_format_imports_without_torch() -> None:
 
     service = Path(__file__).resolve().parents[2] / "service"
     code = (
-        "import sys; import dspark.profiling.sps_profile as m; "
+        "import sys; import dspark.sps_format as m; "
         'm.SpsProfile.parse(\'{"device": "d", "model": "m", "dtype": "float32", '
         '"points": [{"batch_tokens": 1, "steps_per_second": 2.0}]}\'); '
         "assert 'torch' not in sys.modules, 'torch was imported'"

@@ -10,9 +10,9 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
+from dspark.builder import engine_from_config
 from dspark.cli import main
 from dspark.engine.config import EngineConfig
-from dspark.engine.llm_engine import LLMEngine
 from dspark.engine.sampling_params import SamplingParams
 
 from tests.training.conftest import tiny_config, write_prompts
@@ -50,7 +50,7 @@ def test_train_exports_a_loadable_drafter_that_the_engine_runs(tmp_path, tiny_ta
         if markov_vocab:  # W1: the 48 drafting tokens + the zero row of every other id
             assert f.get_slice("markov_head.markov_w1.weight").get_shape() == [49, 8]
             assert f.get_slice("markov_head.markov_w2.weight").get_shape() == [48, 8]
-    engine = LLMEngine.from_config(
+    engine = engine_from_config(
         EngineConfig(
             target=str(tiny_target), drafter=str(final), policy="full", dtype="float32", max_model_len=128
         )

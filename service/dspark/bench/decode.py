@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from dspark.builder import engine_from_config, sibling_engine
 from dspark.drafters.factory import load_drafter
 from dspark.engine.config import EngineConfig
 from dspark.engine.llm_engine import LLMEngine
@@ -68,23 +69,24 @@ def run_decode_bench(
     and a mirrored pair cancels a drift that is linear over the pair."""
     from transformers import AutoModelForCausalLM
 
-    from dspark.commands.generate import encode_prompt
+    from dspark.engine.prompt import encode_prompt
     from dspark.models.pull import resolve_target
 
     # One load of the target (and of the --drafter with its policy and SPS profile, resolved by
-    # from_config); every system is a sibling over it, and `base` itself never steps.
-    base = LLMEngine.from_config(config)
-    plain = base.sibling(load_drafter("none", base.model.config, base.device), build_policy("none"))
+    # engine_from_config); every system is a sibling over it, and `base` itself never steps.
+    base = engine_from_config(config)
+    plain = sibling_engine(base, load_drafter("none", base.model.config, base.device), build_policy("none"))
     systems = {
         "engine plain": plain,
-        f"engine ngram (static:{lookup})": plain.sibling(
+        f"engine ngram (static:{lookup})": sibling_engine(
+            plain,
             load_drafter("ngram", plain.model.config, plain.device, gamma=config.gamma),
             build_policy(f"static:{lookup}"),
         ),
     }
     if base.config.drafter not in ("none", "ngram"):
         name = f"engine {Path(base.config.drafter).name} ({base.config.policy})"
-        systems[name] = base.sibling(base.drafter, base.policy)
+        systems[name] = sibling_engine(base, base.drafter, base.policy)
     hf = None
     if include_hf:
         hf = (

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from dspark.bench.oracle import ORACLE, OracleEngine
+from dspark.builder import sibling_engine
 from dspark.drafters.ngram import NoDrafter
 from dspark.engine.llm_engine import LLMEngine
 from dspark.engine.request import Request
@@ -123,14 +124,15 @@ class ClosedLoop:
         engine = self.engine
         untimed = getattr(engine, "untimed_s", 0.0)  # the oracle's probing forwards
         outputs = engine.step()
-        started += getattr(engine, "untimed_s", 0.0) - untimed
+        untimed = getattr(engine, "untimed_s", 0.0) - untimed
+        started += untimed
         now = self.clock + time.perf_counter() - started
         stats = engine.last_step_stats
         self._budgets.extend(stats.verify_budgets)
         self._decode_steps += bool(stats.verify_budgets)
         self._drafted_steps += stats.drafted
         self._sched += stats.schedule_time_s
-        self._steps += stats.step_time_s
+        self._steps += stats.step_time_s - untimed
         for out in outputs:
             if out.new_token_ids:
                 self._first.setdefault(out.request_id, now)
@@ -211,7 +213,7 @@ def policy_engine(base: LLMEngine, spec: str, policy, concurrency: int) -> LLMEn
     if spec == ORACLE:
         return OracleEngine.of(base, max_num_seqs=concurrency)
     drafter = NoDrafter() if spec == "none" else base.drafter.fresh_copy()
-    return base.sibling(drafter, policy, max_num_seqs=concurrency)
+    return sibling_engine(base, drafter, policy, max_num_seqs=concurrency)
 
 
 def run_serve_bench(

@@ -31,8 +31,8 @@ def resolve_drafter_dir(spec: str, target: str) -> Path:
 
 
 def base_engine(target: str, device: str = "auto", dtype: str = "auto"):
-    """An engine over the target with no drafter and a minimal KV cache; runs use `sibling` engines."""
-    from dspark.engine.llm_engine import LLMEngine
+    """An engine over the target with no drafter and a minimal KV cache; runs use sibling engines."""
+    from dspark.builder import engine_from_config
 
     config = EngineConfig(
         target=target,
@@ -43,7 +43,7 @@ def base_engine(target: str, device: str = "auto", dtype: str = "auto"):
         max_num_seqs=1,
         max_model_len=16,
     )
-    return LLMEngine.from_config(config)
+    return engine_from_config(config)
 
 
 def collect_rounds(
@@ -60,6 +60,7 @@ def collect_rounds(
 ) -> RoundLog:
     """Every prompt decoded to completion with the raw (uncalibrated) drafter, the whole block verified
     each round; request i of a domain samples with seed `seed + i`."""
+    from dspark.builder import sibling_engine
     from dspark.calibration.recording import record_rounds
     from dspark.policies.factory import build_policy
 
@@ -75,7 +76,8 @@ def collect_rounds(
     )
     recorder = RecordingDrafter(drafter)
     longest = max((len(p) for ps in prompts.values() for p in ps), default=1)
-    run = engine.sibling(
+    run = sibling_engine(
+        engine,
         recorder,
         build_policy("full"),
         max_num_seqs=max_num_seqs,
@@ -93,8 +95,8 @@ def collect_rounds(
 
 def encode_eval_prompts(tokenizer, domains: list[str], limit: int, split: str) -> dict[str, list[list[int]]]:
     """Held-out prompts of each domain as token ids, through the target's chat template."""
-    from dspark.bench.datasets import load_eval_prompts
-    from dspark.commands.generate import encode_prompt
+    from dspark.engine.prompt import encode_prompt
+    from dspark.prompts.eval_sets import load_eval_prompts
 
     return {
         d: [encode_prompt(tokenizer, text) for text in load_eval_prompts(d, limit, split)] for d in domains

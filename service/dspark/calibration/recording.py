@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from dspark.calibration.rounds import RoundLog
-from dspark.drafters.base import DraftBlock, Drafter
+from dspark.engine.drafter import DraftBlock, Drafter
 from dspark.engine.request import Request
 from dspark.engine.sampler import SamplingTensors
 from dspark.engine.sampling_params import SamplingParams

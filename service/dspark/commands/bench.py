@@ -44,7 +44,7 @@ def decode(engine_config, domains, num_prompts, max_tokens, lookup, no_hf, repea
     from tqdm import tqdm
 
     from dspark.bench.decode import format_table, run_decode_bench, summarize, write_report
-    from dspark.bench.prompts import BUILTIN_PROMPTS
+    from dspark.prompts.builtin import BUILTIN_PROMPTS
 
     names = [d.strip() for d in domains.split(",") if d.strip()]
     unknown = [d for d in names if d not in BUILTIN_PROMPTS]
@@ -131,7 +131,6 @@ def serve_bench(
     import json
 
     from dspark.bench.oracle import ORACLE
-    from dspark.bench.prompts import BUILTIN_PROMPTS
     from dspark.bench.serve import (
         as_json,
         base_spec,
@@ -140,11 +139,12 @@ def serve_bench(
         run_serve_bench,
         summarize,
     )
-    from dspark.commands.generate import encode_prompt
     from dspark.commands.options import build_engine
+    from dspark.engine.policy_spec import parse_policy
+    from dspark.engine.prompt import encode_prompt
     from dspark.engine.sampling_params import SamplingParams
-    from dspark.policies.factory import parse_policy
     from dspark.profiling.acquire import acquire_profile, needs_profile
+    from dspark.prompts.builtin import BUILTIN_PROMPTS
 
     levels = sorted({int(c) for c in concurrency.split(",")})
     names = [p.strip() for p in policies.split(",") if p.strip()]
@@ -264,9 +264,9 @@ def acceptance(
     from tqdm import tqdm
 
     from dspark.bench.acceptance import run_acceptance, summarize_run, write_report
-    from dspark.bench.datasets import EVAL_DOMAINS
     from dspark.calibration.collect import base_engine, encode_eval_prompts, resolve_drafter_dir
     from dspark.models.pull import ModelError
+    from dspark.prompts.eval_sets import EVAL_DOMAINS
 
     names = _csv(domains)
     unknown = [d for d in names if d not in EVAL_DOMAINS]

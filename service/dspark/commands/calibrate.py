@@ -169,9 +169,9 @@ def _record(
 ):
     from tqdm import tqdm
 
-    from dspark.bench.datasets import EVAL_DOMAINS
     from dspark.calibration.collect import base_engine, collect_rounds, encode_eval_prompts
     from dspark.models.pull import ModelError
+    from dspark.prompts.eval_sets import EVAL_DOMAINS
 
     names = [d.strip() for d in domains.split(",") if d.strip()]
     unknown = [d for d in names if d not in EVAL_DOMAINS]

@@ -7,6 +7,7 @@ import time
 import click
 
 from dspark.commands.options import build_engine, engine_options
+from dspark.engine.prompt import encode_prompt
 
 
 @click.command()
@@ -61,18 +62,4 @@ def generate(prompts, engine_config, max_tokens, temperature, top_p, top_k, seed
             f"with drafter {engine.drafter.name}, policy {engine.policy.name}, {engine.dtype}",
             dim=True,
         )
-    )
-
-
-def encode_prompt(tokenizer, prompt: str, *, raw: bool = False, system: str | None = None) -> list[int]:
-    """Token ids of a prompt, through the model's chat template unless `raw` or it has none."""
-    if raw or not tokenizer.chat_template:
-        return tokenizer.encode(prompt)
-    messages = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": prompt}
-    ]
-    return list(
-        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
-            "input_ids"
-        ]
     )

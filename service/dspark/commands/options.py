@@ -10,7 +10,8 @@ from pydantic import ValidationError
 
 from dspark.drafters.factory import DRAFTER_HELP
 from dspark.engine.config import SELECTION_FIELDS, EngineConfig
-from dspark.policies.factory import AUTO_POLICY_HELP, POLICY_HELP
+from dspark.engine.policy_spec import POLICY_HELP
+from dspark.policies.factory import AUTO_POLICY_HELP
 from dspark.validation import describe
 
 _DEFAULTS = EngineConfig()
@@ -57,10 +58,10 @@ def engine_options(command: Callable) -> Callable:
 
 def build_engine(config: EngineConfig):
     """Build an engine, turning configuration and model errors into clean CLI errors."""
-    from dspark.engine.llm_engine import LLMEngine
+    from dspark.builder import engine_from_config
     from dspark.models.pull import ModelError
 
     try:
-        return LLMEngine.from_config(config)
+        return engine_from_config(config)
     except (ModelError, ValueError) as e:
         raise click.ClickException(str(e)) from e

@@ -29,8 +29,7 @@ from dspark.commands.options import build_engine, engine_options
 )
 def profile(engine_config, output, plot_path, context_len, repeats) -> None:
     """Profile this engine on this hardware and write the SPS profile (exit non-zero on failure)."""
-    from dspark.profiling.acquire import engine_identity, profile_with_progress
-    from dspark.profiling.sps_profile import default_profile_path
+    from dspark.profiling.acquire import default_profile_path, engine_identity, profile_with_progress
 
     engine = build_engine(engine_config.model_copy(update={"policy": "none"}))
     result = profile_with_progress(engine, context_len=context_len, repeats=repeats)
@@ -46,5 +45,7 @@ def profile(engine_config, output, plot_path, context_len, repeats) -> None:
             err=True,
         )
     if plot_path:
-        result.plot(plot_path)
+        from dspark.profiling.plots import plot_sps_profile
+
+        plot_sps_profile(result, plot_path)
         click.echo(f"saved {plot_path}", err=True)

@@ -8,7 +8,8 @@ import click
 import yaml
 
 from dspark.drafters.factory import DRAFTER_HELP
-from dspark.policies.factory import AUTO_POLICY_HELP, POLICY_HELP
+from dspark.engine.policy_spec import POLICY_HELP
+from dspark.policies.factory import AUTO_POLICY_HELP
 from dspark.serving.config import load_config
 
 

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 
 import torch
 
-from dspark.drafters.base import Drafter
 from dspark.drafters.context_store import ContextStore
 from dspark.drafters.feature_batch import CommittedChunk, PendingCommits, check_in_sync, gather_commit
+from dspark.engine.drafter import Drafter
 from dspark.engine.request import Request
 
 

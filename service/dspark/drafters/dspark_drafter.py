@@ -6,7 +6,6 @@ from collections.abc import Sequence
 
 import torch
 
-from dspark.drafters.base import DraftBlock
 from dspark.drafters.block_sampling import sample_block
 from dspark.drafters.calibration import Calibration
 from dspark.drafters.context_drafter import ContextDrafter
@@ -14,6 +13,7 @@ from dspark.drafters.context_store import ContextStore
 from dspark.drafters.draft_vocab import DraftVocab
 from dspark.drafters.dspark_model import DSparkModel
 from dspark.drafters.feature_batch import CommittedChunk
+from dspark.engine.drafter import DraftBlock
 from dspark.engine.request import Request
 from dspark.engine.sampler import SamplingTensors
 

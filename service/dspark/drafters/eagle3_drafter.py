@@ -6,12 +6,12 @@ from collections.abc import Sequence
 
 import torch
 
-from dspark.drafters.base import DraftBlock
 from dspark.drafters.context_drafter import ContextDrafter
 from dspark.drafters.context_store import ContextStore
 from dspark.drafters.draft_vocab import DraftVocab
 from dspark.drafters.eagle3_model import Eagle3Model
 from dspark.drafters.feature_batch import CommittedChunk
+from dspark.engine.drafter import DraftBlock
 from dspark.engine.request import Request
 from dspark.engine.sampler import SamplingTensors, draw
 

@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
-from dspark.drafters.base import Drafter
 from dspark.drafters.checkpoint import SharedWeights
 from dspark.drafters.shipped import SHIPPED_NAMES, available, shipped_drafter, shipped_target
 from dspark.engine.config import AUTO
+from dspark.engine.drafter import Drafter
 
 DRAFTER_HELP = (
     "auto (the target's shipped DSpark drafter, else ngram) | none | ngram | "

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from dspark.drafters.base import DraftBlock, Drafter
+from dspark.engine.drafter import DraftBlock, Drafter
 from dspark.engine.request import Request
 from dspark.engine.sampler import SamplingTensors
 

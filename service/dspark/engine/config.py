@@ -9,6 +9,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from dspark.engine.policy_spec import parse_policy
 from dspark.models.registry import DEFAULT_MODEL
 
 # The default drafter and policy: resolved when the engine loads, once the target and drafter are known.
@@ -49,8 +50,6 @@ class EngineConfig(BaseModel):
     @classmethod
     def _known_policy(cls, spec: str) -> str:
         """A malformed policy is refused with the configuration, before any model loads."""
-        from dspark.policies.factory import parse_policy  # the policies import engine modules
-
         if spec.strip() != AUTO:
             parse_policy(spec)
         return spec.strip()

@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers import AutoTokenizer
 
-from dspark.drafters.base import DraftBlock, Drafter
-from dspark.drafters.checkpoint import SharedWeights
-from dspark.drafters.factory import load_drafter, resolve_drafter_spec
-from dspark.engine.config import EngineConfig, resolve_device, resolve_dtype
+from dspark.engine.config import EngineConfig
 from dspark.engine.detokenizer import Detokenizer
+from dspark.engine.drafter import DraftBlock, Drafter
 from dspark.engine.logits_processors import LogitsProcessors
 from dspark.engine.model_runner import ModelRunner, StepForward
 from dspark.engine.outputs import RequestOutput, RequestStats, StepStats, TokenLogprob
@@ -25,17 +21,11 @@ from dspark.engine.sampler import SamplingTensors, logits_to_probs, sample
 from dspark.engine.sampling_params import SamplingParams
 from dspark.engine.scheduler import Scheduler, StepPlan
 from dspark.engine.stopping import append_tokens, new_text
+from dspark.engine.survival import host_array, survival_probabilities
 from dspark.engine.verifier import verify_draft_tokens, verify_greedy
+from dspark.engine.verify_policy import VerifyPolicy
 from dspark.models.config import head_dim
 from dspark.models.kv_cache import KVCache, check_kv_budget
-from dspark.models.loader import load_target_model
-from dspark.models.pull import resolve_target
-from dspark.policies.base import VerifyPolicy
-from dspark.policies.factory import build_policy, resolve_policy_spec
-from dspark.policies.prefix_scheduler import host_array, survival_probabilities
-from dspark.profiling.acquire import acquire_profile, needs_profile
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -98,52 +88,6 @@ class LLMEngine:
         self.last_step_stats = StepStats()
         self._stats = StepStats()
         self._ids = itertools.count()
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> LLMEngine:
-        device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, device)
-        model_dir = resolve_target(config.target)
-        model = load_target_model(model_dir, dtype, device)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        shared = SharedWeights(model.model.embed_tokens.weight, model.lm_head.weight)
-        drafter_spec = resolve_drafter_spec(config.drafter, model.config)
-        gamma = config.gamma if drafter_spec == "ngram" else None
-        drafter = load_drafter(drafter_spec, model.config, device, dtype, shared=shared, gamma=gamma)
-        policy_spec = resolve_policy_spec(config.policy, drafter)
-        config = config.model_copy(update={"drafter": drafter_spec, "policy": policy_spec})
-        # The profiled policies need this engine (its KV cache) to measure SPS(B) when no stored
-        # profile matches, so the engine starts under `none` and receives its policy after.
-        engine = cls(config, model, tokenizer, drafter, build_policy("none"), device, dtype, config.target)
-        sps = None
-        if needs_profile(policy_spec):
-            sps = acquire_profile(engine, config.sps_profile, config.strict_profile)
-        engine.policy = build_policy(policy_spec, sps=sps)
-        log.info(
-            "engine: %s on %s (%s), drafter %s, policy %s",
-            config.target,
-            device,
-            dtype,
-            drafter.name,
-            engine.policy.name,
-        )
-        return engine
-
-    def sibling(
-        self,
-        drafter: Drafter,
-        policy: VerifyPolicy,
-        engine_type: type[LLMEngine] | None = None,
-        **config_updates,
-    ) -> LLMEngine:
-        """Another engine (of `engine_type`, default LLMEngine) over the same loaded weights (own KV
-        cache), e.g. to compare drafters."""
-        config = self.config.model_copy(
-            update={"drafter": drafter.name, "policy": policy.name, **config_updates}
-        )
-        return (engine_type or LLMEngine)(
-            config, self.model, self.tokenizer, drafter, policy, self.device, self.dtype, self.model_name
-        )
 
     # ---- requests -------------------------------------------------------------------------
 

@@ -8,8 +8,8 @@ from abc import abstractmethod
 import numpy as np
 import torch
 
-from dspark.policies.base import Confidences, VerifyPolicy
-from dspark.policies.prefix_scheduler import host_array
+from dspark.engine.survival import host_array
+from dspark.engine.verify_policy import Confidences, VerifyPolicy
 
 logger = logging.getLogger(__name__)
 

@@ -20,13 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dspark.policies.prefix_scheduler import (
-    SpsFn,
-    early_stop,
-    expected_throughputs,
-    host_array,
-    ranked_candidates,
-)
+from dspark.engine.survival import host_array
+from dspark.policies.prefix_scheduler import SpsFn, early_stop, expected_throughputs, ranked_candidates
 
 
 def ewma(old: float | None, new: float, alpha: float) -> float:

@@ -8,13 +8,13 @@ import numpy as np
 import torch
 
 from dspark.engine.outputs import StepStats
+from dspark.engine.verify_policy import Confidences
 from dspark.policies.acceptance_scale import AcceptanceScale
-from dspark.policies.base import Confidences
 from dspark.policies.confidence import ConfidencePolicy
 from dspark.policies.drafting_gate import DraftingGate, ewma
 from dspark.policies.prefix_scheduler import schedule_global_argmax, schedule_prefix_greedy, topk_survival
-from dspark.profiling.online import OnlineSps
-from dspark.profiling.sps_profile import SpsCurve, SpsProfile, table_lookup
+from dspark.policies.sps_curve import OnlineSps, table_lookup
+from dspark.sps_format import SpsCurve, SpsProfile
 
 
 def as_sps_curve(sps: SpsProfile | OnlineSps | SpsCurve, refine: bool = True) -> SpsCurve:

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import math
-
-from dspark.drafters.base import Drafter
 from dspark.engine.config import AUTO
-from dspark.policies.base import VerifyPolicy
+from dspark.engine.drafter import Drafter
+from dspark.engine.policy_spec import parse_policy
+from dspark.engine.verify_policy import VerifyPolicy
 from dspark.policies.dspark import DSparkAsyncPolicy, DSparkPolicy
+from dspark.policies.sps_curve import OnlineSps
 from dspark.policies.static import StaticPolicy
 from dspark.policies.threshold import ThresholdPolicy
-from dspark.profiling.online import OnlineSps
-from dspark.profiling.sps_profile import SpsProfile
+from dspark.sps_format import SpsProfile
 
-POLICY_HELP = "none | static:K | full | threshold:X (0<X<1) | dspark | dspark-async"
 # `auto` for a drafter without confidences (n-gram lookup, DFlash, EAGLE-3).
 FALLBACK_POLICY = "static:4"
 AUTO_POLICY_HELP = f"auto (dspark for a drafter with a confidence head, else {FALLBACK_POLICY})"
@@ -27,31 +25,6 @@ def resolve_policy_spec(spec: str, drafter: Drafter) -> str:
     if drafter.gives_confidences:
         return "dspark"
     return FALLBACK_POLICY if drafter.gamma > 0 else "none"
-
-
-def parse_policy(spec: str) -> tuple[str, int | float | None]:
-    """(name, argument) of a policy spelling, refused with the accepted spellings when malformed;
-    needs no profile, so a command can check its policies before it loads a model."""
-    name, _, arg = spec.strip().partition(":")
-    if name in ("none", "full", "dspark", "dspark-async") and not arg:
-        return name, None
-    if name == "static":
-        try:
-            k = int(arg)
-        except ValueError:
-            k = -1
-        if k < 0:
-            raise ValueError(f"policy 'static:K' needs an integer K >= 0, got {spec!r}")
-        return name, k
-    if name == "threshold":
-        try:
-            x = float(arg)
-        except ValueError:
-            x = math.nan
-        if not (math.isfinite(x) and 0 < x < 1):
-            raise ValueError(f"policy 'threshold:X' needs a number 0 < X < 1, got {spec!r}")
-        return name, x
-    raise ValueError(f"unknown verify policy {spec!r}; expected one of: {POLICY_HELP}")
 
 
 def build_policy(spec: str, sps: SpsProfile | OnlineSps | None = None) -> VerifyPolicy:

@@ -7,10 +7,8 @@ row-major flattening: a[r, j] >= a[r, j+1] and, on ties, (r, j) stays ahead of (
 every ranked prefix of candidates is a set of per-request prefixes and a request's length is
 simply how many of its candidates were taken. Only a > 0 candidates exist (Algorithm 1's E).
 
-The arithmetic runs in NumPy on the host: R x gamma is tiny, the engine needs the lengths on the
-host to lay out the batch, and a small NumPy op costs about a microsecond where a CPU torch op
-costs five to ten (the scheduler runs every step, on the critical path between drafting and
-verification).
+The arithmetic runs in NumPy on the host (see `dspark.engine.survival`); the engine needs the
+lengths on the host to lay out the batch.
 """
 
 from __future__ import annotations
@@ -20,21 +18,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from dspark.engine.survival import host_array, survival_probabilities
+
 SpsFn = Callable[[np.ndarray], np.ndarray]
 """Steps per second for float64 batch sizes (NumPy in, NumPy out)."""
-
-
-def host_array(confidences: torch.Tensor | np.ndarray) -> np.ndarray:
-    """Confidences as a float64 NumPy array on the host (one device copy for a tensor)."""
-    if isinstance(confidences, torch.Tensor):
-        # Through a list: between two forwards (caches cold) a torch dtype conversion takes 90 us.
-        return np.array(confidences.detach().tolist(), dtype=np.float64).reshape(confidences.shape)
-    return np.asarray(confidences, dtype=np.float64)
-
-
-def survival_probabilities(confidences: torch.Tensor | np.ndarray) -> np.ndarray:
-    """a[r, j] = prod_{i<=j} c[r, i] in float64; confidences are clamped into [0, 1] first."""
-    return np.cumprod(np.clip(host_array(confidences), 0.0, 1.0), axis=1)
 
 
 def ranked_candidates(confidences: torch.Tensor | np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark.policies.base import Confidences, VerifyPolicy
+from dspark.engine.verify_policy import Confidences, VerifyPolicy
 
 
 class StaticPolicy(VerifyPolicy):

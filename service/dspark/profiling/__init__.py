@@ -1,5 +1,2 @@
-"""Engine step-rate profiles (SPS curves): format, lookup, online refinement, plots.
-
-Submodules are imported directly (`dspark.profiling.sps_profile`, `.online`, `.plots`, ...):
-the profile format stays importable without torch.
-"""
+"""Measure an engine's step rate against the tokens in a forward (the SPS profile), find or
+measure the profile an engine starts with, and plot it."""

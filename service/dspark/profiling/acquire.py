@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
+from dspark.models.registry import dspark_home
 from dspark.profiling.device import current_device_name
-from dspark.profiling.sps_profile import ProfileError, SpsProfile, default_profile_path
+from dspark.sps_format import ProfileError, SpsProfile
 
 log = logging.getLogger(__name__)
 
@@ -66,3 +69,18 @@ def profile_with_progress(engine, **options) -> SpsProfile:
             bar.update(1)
 
         return profile_engine(engine, progress=step, **options)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def default_profile_path(model: str, dtype: str, device: str) -> Path:
+    """`$DSPARK_HOME/profiles/<slug>.json` (DSPARK_HOME defaults to ~/.cache/dspark).
+
+    The slug is readable (model basename, dtype, device) plus a short hash of the exact
+    triple, so two models with the same file name in different folders never share a profile.
+    """
+    digest = hashlib.sha256(f"{model}\0{dtype}\0{device}".encode()).hexdigest()[:8]
+    name = _slug(Path(model.rstrip("/")).name or model)[:60] or "model"
+    return dspark_home() / "profiles" / f"{name}__{_slug(dtype)}__{_slug(device)[:40]}__{digest}.json"

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from dspark.profiling.online import OnlineSps
-    from dspark.profiling.sps_profile import SpsProfile
+    from dspark.policies.sps_curve import OnlineSps
+    from dspark.sps_format import SpsProfile
 
 
 def _pyplot():

@@ -14,7 +14,7 @@ import torch
 from dspark.models.forward_batch import ForwardBatch
 from dspark.profiling.device import current_device_name
 from dspark.profiling.grid import default_grid
-from dspark.profiling.sps_profile import SpsPoint, SpsProfile
+from dspark.sps_format import SpsPoint, SpsProfile
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dspark.profiling.grid import default_grid
-from dspark.profiling.sps_profile import SpsPoint, SpsProfile
+from dspark.sps_format import SpsPoint, SpsProfile
 
 
 def synthetic_profile(

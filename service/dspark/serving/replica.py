@@ -39,13 +39,13 @@ V2_PARAMETERS = (
 def load_engine(config: ServeConfig) -> Any:
     import torch
 
-    from dspark.engine.llm_engine import LLMEngine
+    from dspark.builder import engine_from_config
 
     _log_start_up()
     # One intra-op thread per CPU Ray reserved for this replica: more threads than cores make
     # OpenMP workers of co-located replicas spin against each other (~10x slower on 2 cores).
     torch.set_num_threads(max(1, int(config.replica_cpus())))
-    return LLMEngine.from_config(config.engine_config())
+    return engine_from_config(config.engine_config())
 
 
 def _log_start_up() -> None:

@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from dspark.bench.datasets import load_eval_prompts
+from dspark.prompts.eval_sets import load_eval_prompts
 
 _WORD = re.compile(r"[a-z0-9]+")
 
@@ -27,7 +27,7 @@ def ngrams(text: str, n: int) -> set[tuple[str, ...]]:
     return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
 
 
-# The evaluation sets, by the domain name `dspark.bench.datasets` loads them under.
+# The evaluation sets, by the domain name `dspark.prompts.eval_sets` loads them under.
 EVAL_SETS = {"gsm8k-test": "math", "humaneval": "code", "mt-bench": "chat"}
 
 

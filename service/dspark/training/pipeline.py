@@ -134,7 +134,7 @@ def _prompt_samples(
     cfg: TrainConfig, model_dir: Path, device: torch.device, dtype: torch.dtype, progress: bool
 ) -> list[dict]:
     """Samples of `data.sources` (answered here by the target) and `data.raw_text`."""
-    from dspark.commands.generate import encode_prompt
+    from dspark.engine.prompt import encode_prompt
     from transformers import AutoTokenizer
 
     data_dir = cfg.data_dir
@@ -159,11 +159,11 @@ def _prompt_samples(
     samples_path = data_dir / SAMPLES_FILE
     done = len(read_jsonl(samples_path)) if samples_path.is_file() else 0
     if prompts and done < len(prompts):
+        from dspark.builder import engine_from_config
         from dspark.engine.config import EngineConfig
-        from dspark.engine.llm_engine import LLMEngine
 
         start = time.perf_counter()
-        engine = LLMEngine.from_config(
+        engine = engine_from_config(
             EngineConfig(
                 target=str(model_dir),
                 drafter="none",

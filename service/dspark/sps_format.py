@@ -1,6 +1,7 @@
-"""The SPS profile: verification steps per second of an engine against the tokens in the forward.
+"""The SPS profile format: verification steps per second of an engine against the tokens in the forward.
 
-JSON layout (version 1), shared by the profiler, the policies and the operator:
+JSON layout (version 1), written by `dspark profile` and read by the engine's policies and the
+operator:
 
     {"version": 1, "device": "NVIDIA H200", "node_type": "gpu-h200", "model": "Qwen3-4B",
      "dtype": "bfloat16", "engine": {"max_batch_tokens": 2048, ...},
@@ -8,18 +9,20 @@ JSON layout (version 1), shared by the profiler, the policies and the operator:
      "points": [{"batch_tokens": 1, "steps_per_second": 61.2}, ...]}
 
 A measured curve is jagged (kernel tiles, CUDA-graph buckets) and is kept as measured; the
-points are only sorted by batch size. Importing this module does not import torch (the
-operator validates profiles without it); the lookup does.
+points are only sorted by batch size. `SpsProfile.sps` defines the curve between and beyond the
+points, for a number in pure Python and for a NumPy array or a torch tensor. This module imports
+neither torch nor NumPy (the operator image has neither); the array and tensor lookups import
+them when called.
 """
 
 from __future__ import annotations
 
-import hashlib
+import bisect
 import itertools
 import json
 import math
 import os
-import re
+import sys
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -27,12 +30,15 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, overload
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
-from dspark.models.registry import dspark_home
 from dspark.validation import describe
 
-if TYPE_CHECKING:  # torch and NumPy are imported on first lookup: the operator reads profiles without them
+if TYPE_CHECKING:
     import numpy as np
     import torch
+
+# A profiling Job prints the profile between these lines; the operator reads it from the pod log.
+PROFILE_BEGIN = "----- DSPARK PROFILE BEGIN -----"
+PROFILE_END = "----- DSPARK PROFILE END -----"
 
 Dtype = Literal["bfloat16", "float32"]
 
@@ -45,35 +51,6 @@ class SpsCurve(Protocol):
     """Anything that maps batch tokens to steps per second (a profile, a refined profile)."""
 
     def sps(self, batch_tokens: torch.Tensor) -> torch.Tensor: ...
-
-
-def table_lookup(curve: SpsCurve) -> Callable[[np.ndarray], np.ndarray]:
-    """A fast SPS function for integer batch sizes (NumPy in and out), as the scheduler sees the
-    curve: a dense per-B table (`table(max_b)`) when the curve keeps one, else its `sps`. The
-    scheduler calls this every step.
-
-    A table is read through its right envelope, SPS(B) = max over B' >= B of the measured
-    SPS(B'): no forward is charged more than a larger one. On a shared CPU an inversion (B = 7
-    timed slower than B = 8) is timing noise, and the early break of Algorithm 1 stopped at such
-    a false cliff; where one is real a forward padded to B' would run at SPS(B'). Real cliffs,
-    where the rate drops as B grows, stay as measured; so do the profile file and its plot.
-    """
-    import numpy as np
-
-    table_fn = getattr(curve, "table", None)
-    if table_fn is None:
-        return lambda batch_tokens: np.asarray(curve.sps(np.asarray(batch_tokens, dtype=np.float64)))
-    seen = envelope = None
-
-    def lookup(batch_tokens: np.ndarray) -> np.ndarray:
-        nonlocal seen, envelope
-        batch = np.asarray(batch_tokens).astype(np.int64)
-        table = table_fn(int(batch.max()))
-        if table is not seen:  # a refined curve rebuilds its table now and then
-            seen, envelope = table, np.maximum.accumulate(table.numpy()[::-1])[::-1]
-        return envelope[batch]
-
-    return lookup
 
 
 def sps_of_array_or_float(sps: Callable[[torch.Tensor], torch.Tensor], batch_tokens: np.ndarray | float):
@@ -245,12 +222,12 @@ class SpsProfile(BaseModel):
         and the whole curve's time-per-token slopes (never negative; a one-point profile
         assumes time proportional to B), so extrapolated SPS never increases and errs low.
         """
+        if not _is_tensor(batch_tokens):
+            if _is_array(batch_tokens):
+                return sps_of_array_or_float(self.sps, batch_tokens)
+            return self._sps_of_number(float(batch_tokens))
         import torch
 
-        from dspark.profiling.interpolation import interp_flat
-
-        if not isinstance(batch_tokens, torch.Tensor):
-            return sps_of_array_or_float(self.sps, batch_tokens)
         if self._xp is None or self._fp is None:
             self._xp = torch.tensor(self.batch_tokens(), dtype=torch.float64)
             self._fp = torch.tensor(self.steps_per_second(), dtype=torch.float64)
@@ -259,6 +236,19 @@ class SpsProfile(BaseModel):
         last_b, last_sps = float(self.points[-1].batch_tokens), self.points[-1].steps_per_second
         tail = 1.0 / (1.0 / last_sps + self._tail_slope * (b - last_b).clamp_min(0.0))
         return torch.where(b > last_b, tail, inside)
+
+    def _sps_of_number(self, b: float) -> float:
+        """`sps` for one batch size, in the tensor path's arithmetic."""
+        xs, ys = self.batch_tokens(), self.steps_per_second()
+        last_b, last_sps = float(xs[-1]), ys[-1]
+        if b > last_b:
+            return 1.0 / (1.0 / last_sps + self._tail_slope * (b - last_b))
+        if len(xs) == 1 or b <= xs[0]:
+            return ys[0]
+        right = min(max(bisect.bisect_right(xs, b), 1), len(xs) - 1)
+        x0, x1, y0, y1 = xs[right - 1], xs[right], ys[right - 1], ys[right]
+        w = min(max((b - x0) / (x1 - x0), 0.0), 1.0)
+        return y0 + w * (y1 - y0)
 
     def table(self, max_batch_tokens: int) -> torch.Tensor:
         """SPS at every integer B in [0, max_batch_tokens] (and maybe beyond), float64 on the CPU."""
@@ -275,10 +265,65 @@ class SpsProfile(BaseModel):
     def steps_per_second(self) -> list[float]:
         return [p.steps_per_second for p in self.points]
 
-    def plot(self, path: str | os.PathLike[str], **kwargs: Any) -> Path:
-        from dspark.profiling.plots import plot_sps_profile
+    def summary(self) -> dict[str, Any]:
+        """A few numbers for a status: the curve's range and where it halves."""
+        first, last = self.points[0], self.points[-1]
+        half = next(
+            (p.batch_tokens for p in self.points if p.steps_per_second <= first.steps_per_second / 2), None
+        )
+        return {
+            "device": self.device,
+            "points": len(self.points),
+            "maxBatchTokens": last.batch_tokens,
+            "spsAtMinBatch": round(first.steps_per_second, 3),
+            "spsAtMaxBatch": round(last.steps_per_second, 3),
+            "halfSpsBatchTokens": half,
+        }
 
-        return plot_sps_profile(self, path, **kwargs)
+    def to_json(self) -> str:
+        """Compact JSON with sorted keys (stable across writes, for ConfigMaps)."""
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True)
+
+
+def extract_profile_from_log(log: str) -> SpsProfile:
+    """Parse the profile JSON a profiling pod printed between the BEGIN/END marker lines.
+
+    The markers let the job's stdout also carry progress output; the last marked block wins.
+    """
+    lines = log.splitlines()
+    try:
+        end = len(lines) - 1 - lines[::-1].index(PROFILE_END)
+        begin = end - 1 - lines[:end][::-1].index(PROFILE_BEGIN)
+    except ValueError:
+        raise ValueError("profiling pod log has no profile block between the marker lines") from None
+    return SpsProfile.model_validate_json("\n".join(lines[begin + 1 : end]))
+
+
+def interp_flat(x: torch.Tensor, xp: torch.Tensor, fp: torch.Tensor) -> torch.Tensor:
+    """Linear interpolation of (xp, fp) at x, constant beyond both ends; xp ascending, float64
+    (torch has no `interp`). Returns float64 on x's device (xp and fp are moved there if needed)."""
+    import torch
+
+    x = x.to(torch.float64)
+    xp = xp.to(x.device)
+    fp = fp.to(x.device)
+    if xp.numel() == 1:
+        return fp.expand(x.shape).clone()
+    right = torch.searchsorted(xp, x, right=True).clamp(1, xp.numel() - 1)
+    left = right - 1
+    x0, x1 = xp[left], xp[right]
+    w = ((x - x0) / (x1 - x0)).clamp(0.0, 1.0)
+    return fp[left] + w * (fp[right] - fp[left])
+
+
+def _is_tensor(value: object) -> bool:
+    torch = sys.modules.get("torch")  # not imported: cannot be a tensor
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _is_array(value: object) -> bool:
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(value, numpy.ndarray)
 
 
 def _tail_slope(xs: list[float], times: list[float]) -> float:
@@ -289,18 +334,3 @@ def _tail_slope(xs: list[float], times: list[float]) -> float:
     overall = (times[-1] - times[0]) / (xs[-1] - xs[0])
     slope = max(last, overall, 0.0)
     return slope if math.isfinite(slope) else 0.0
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
-
-
-def default_profile_path(model: str, dtype: str, device: str) -> Path:
-    """`$DSPARK_HOME/profiles/<slug>.json` (DSPARK_HOME defaults to ~/.cache/dspark).
-
-    The slug is readable (model basename, dtype, device) plus a short hash of the exact
-    triple, so two models with the same file name in different folders never share a profile.
-    """
-    digest = hashlib.sha256(f"{model}\0{dtype}\0{device}".encode()).hexdigest()[:8]
-    name = _slug(Path(model.rstrip("/")).name or model)[:60] or "model"
-    return dspark_home() / "profiles" / f"{name}__{_slug(dtype)}__{_slug(device)[:40]}__{digest}.json"

@@ -1,4 +1,4 @@
-"""Median per-step decision time of every verify policy: `python -m dspark.policies.overhead`.
+"""Median per-step decision time of every verify policy: `python -m dspark.bench.policy_overhead`.
 
 Times `max_length()` (the DSpark policies' drafting gate) plus `schedule()`, which the engine
 calls once per step; compare the figures with the engine's step time.

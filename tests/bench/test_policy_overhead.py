@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from click.testing import CliRunner
-from dspark.policies.overhead import POLICIES, main
+from dspark.bench.policy_overhead import POLICIES, main
 
 
 def test_overhead_script_times_every_policy() -> None:

@@ -1,4 +1,5 @@
-"""Online refinement of an SPS profile from the engine's own step timings.
+"""The step-rate curve the SPS policies schedule against: online refinement of an SPS profile
+from the engine's own step timings, and the per-step table lookup.
 
 A profile taken on an idle node, or before the hardware drifted (thermals, neighbours on the
 node, a driver update), mis-states the step rate. `OnlineSps` keeps the profile as its prior
@@ -10,12 +11,12 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from dspark.profiling.interpolation import interp_flat
-from dspark.profiling.sps_profile import SpsPoint, SpsProfile, sps_of_array_or_float
+from dspark.sps_format import SpsCurve, SpsPoint, SpsProfile, interp_flat, sps_of_array_or_float
 
 
 class OnlineSps:
@@ -152,3 +153,30 @@ class OnlineSps:
             for b, s in zip(self._grid, refined, strict=True)
         ]
         return SpsProfile(**fields, points=points)
+
+
+def table_lookup(curve: SpsCurve) -> Callable[[np.ndarray], np.ndarray]:
+    """A fast SPS function for integer batch sizes (NumPy in and out), as the scheduler sees the
+    curve: a dense per-B table (`table(max_b)`) when the curve keeps one, else its `sps`. The
+    scheduler calls this every step.
+
+    A table is read through its right envelope, SPS(B) = max over B' >= B of the measured
+    SPS(B'): no forward is charged more than a larger one. On a shared CPU an inversion (B = 7
+    timed slower than B = 8) is timing noise, and the early break of Algorithm 1 stopped at such
+    a false cliff; where one is real a forward padded to B' would run at SPS(B'). Real cliffs,
+    where the rate drops as B grows, stay as measured; so do the profile file and its plot.
+    """
+    table_fn = getattr(curve, "table", None)
+    if table_fn is None:
+        return lambda batch_tokens: np.asarray(curve.sps(np.asarray(batch_tokens, dtype=np.float64)))
+    seen = envelope = None
+
+    def lookup(batch_tokens: np.ndarray) -> np.ndarray:
+        nonlocal seen, envelope
+        batch = np.asarray(batch_tokens).astype(np.int64)
+        table = table_fn(int(batch.max()))
+        if table is not seen:  # a refined curve rebuilds its table now and then
+            seen, envelope = table, np.maximum.accumulate(table.numpy()[::-1])[::-1]
+        return envelope[batch]
+
+    return lookup

@@ -1,0 +1,76 @@
+"""Wire an engine from its configuration: target, drafter, verify policy and its SPS profile."""
+
+from __future__ import annotations
+
+import logging
+
+from transformers import AutoTokenizer
+
+from dspark.drafters.checkpoint import SharedWeights
+from dspark.drafters.factory import load_drafter, resolve_drafter_spec
+from dspark.engine.config import EngineConfig, resolve_device, resolve_dtype
+from dspark.engine.drafter import Drafter
+from dspark.engine.llm_engine import LLMEngine
+from dspark.engine.verify_policy import VerifyPolicy
+from dspark.models.loader import load_target_model
+from dspark.models.pull import resolve_target
+from dspark.policies.factory import build_policy, resolve_policy_spec
+from dspark.profiling.acquire import acquire_profile, needs_profile
+
+log = logging.getLogger(__name__)
+
+
+def engine_from_config(config: EngineConfig) -> LLMEngine:
+    """Load the target, resolve `auto` drafter and policy, acquire the SPS profile a profiled
+    policy needs (stored, or measured on this engine), and return the engine."""
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    model_dir = resolve_target(config.target)
+    model = load_target_model(model_dir, dtype, device)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    shared = SharedWeights(model.model.embed_tokens.weight, model.lm_head.weight)
+    drafter_spec = resolve_drafter_spec(config.drafter, model.config)
+    gamma = config.gamma if drafter_spec == "ngram" else None
+    drafter = load_drafter(drafter_spec, model.config, device, dtype, shared=shared, gamma=gamma)
+    policy_spec = resolve_policy_spec(config.policy, drafter)
+    config = config.model_copy(update={"drafter": drafter_spec, "policy": policy_spec})
+    # The profiled policies need this engine (its KV cache) to measure SPS(B) when no stored
+    # profile matches, so the engine starts under `none` and receives its policy after.
+    engine = LLMEngine(config, model, tokenizer, drafter, build_policy("none"), device, dtype, config.target)
+    sps = None
+    if needs_profile(policy_spec):
+        sps = acquire_profile(engine, config.sps_profile, config.strict_profile)
+    engine.policy = build_policy(policy_spec, sps=sps)
+    log.info(
+        "engine: %s on %s (%s), drafter %s, policy %s",
+        config.target,
+        device,
+        dtype,
+        drafter.name,
+        engine.policy.name,
+    )
+    return engine
+
+
+def sibling_engine(
+    engine: LLMEngine,
+    drafter: Drafter,
+    policy: VerifyPolicy,
+    engine_type: type[LLMEngine] = LLMEngine,
+    **config_updates,
+) -> LLMEngine:
+    """Another engine (of `engine_type`) over `engine`'s loaded weights with its own KV cache, e.g.
+    to compare drafters or policies on one model load."""
+    config = engine.config.model_copy(
+        update={"drafter": drafter.name, "policy": policy.name, **config_updates}
+    )
+    return engine_type(
+        config,
+        engine.model,
+        engine.tokenizer,
+        drafter,
+        policy,
+        engine.device,
+        engine.dtype,
+        engine.model_name,
+    )
