@@ -78,6 +78,17 @@ def _metrics_url(pod: dict[str, Any]) -> str | None:
     return f"http://{status['podIP']}:{ports[0]['containerPort'] if ports else 8000}/metrics"
 
 
+@dataclass(frozen=True)
+class TierEvaluation:
+    """One tier's decision this pass, with what applying it needs."""
+
+    decision: Decision
+    memory: ScalingMemory  # the tier's memory before this pass
+    kind: str  # the workload's kind and name
+    workload: str
+    metrics: TierMetrics | None
+
+
 @dataclass
 class AutoscaleOutcome:
     tiers: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -113,7 +124,7 @@ def autoscale_service(
         a.tolerance, a.scale_up_cooldown_seconds, a.scale_down_cooldown_seconds, a.max_scale_up_factor
     )
     outcome = AutoscaleOutcome()
-    decisions: dict[str, tuple[Decision, ScalingMemory, str, str, TierMetrics | None]] = {}
+    evaluations: dict[str, TierEvaluation] = {}
 
     for tier in spec.tiers:
         status = tier_status.get(tier.name) or {}
@@ -142,15 +153,16 @@ def autoscale_service(
             tier.tokens_per_second_per_user, tier.ttft_p95_seconds, tier.min_replicas, tier.max_replicas
         )
         decision = decide(current, metrics, target, capacity, policy, memory, now)
-        decisions[tier.name] = (decision, memory, kind, name, metrics)
+        evaluations[tier.name] = TierEvaluation(decision, memory, kind, name, metrics)
 
     granted = apportion_by_priority(
-        {t: d.desired for t, (d, *_rest) in decisions.items()},
+        {t: e.decision.desired for t, e in evaluations.items()},
         {t.name: t.min_replicas for t in spec.tiers},
         {t.name: t.priority for t in spec.tiers},
         a.max_total_replicas,
     )
-    for tier_name, (decision, old_memory, kind, name, metrics) in decisions.items():
+    for tier_name, evaluation in evaluations.items():
+        decision, old_memory, metrics = evaluation.decision, evaluation.memory, evaluation.metrics
         desired, reason, memory = granted[tier_name], decision.reason, decision.memory
         if desired != decision.desired:
             reason += f"; limited to {desired} by maxTotalReplicas {a.max_total_replicas}"
@@ -159,7 +171,7 @@ def autoscale_service(
                 memory, last_scale_time=old_memory.last_scale_time, last_direction=old_memory.last_direction
             )
         if desired != decision.current:
-            set_workload_replicas(kube, kind, namespace, name, desired)
+            set_workload_replicas(kube, evaluation.kind, namespace, evaluation.workload, desired)
             verb = "ScaledUp" if desired > decision.current else "ScaledDown"
             outcome.events.append(
                 Event("Normal", verb, f"tier {tier_name}: {decision.current} -> {desired}: {reason}")

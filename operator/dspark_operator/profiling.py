@@ -2,19 +2,22 @@
 
 Level-triggered and restart-safe: every pass derives the state from the objects in the cluster
 (ConfigMap fingerprint, the Jobs' labels and status) plus the retry bookkeeping in the status.
+A pass reads the cluster (`observe_profile`), decides in a pure function (`next_profile_step`,
+which returns the new status entry and a list of actions) and carries the actions out
+(`run_profile_actions`).
 """
 
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from dspark.sps_format import SpsProfile, extract_profile_from_log
 
 from dspark_operator import builders
 from dspark_operator.kube import Kube, KubeError
-from dspark_operator.spec import ServiceSpec
+from dspark_operator.spec import ProfilingSpec, ServiceSpec
 
 LABEL_ATTEMPT = "dspark.ai/attempt"
 
@@ -26,10 +29,55 @@ class Event:
     message: str
 
 
-@dataclass
-class ProfileOutcome:
+@dataclass(frozen=True)
+class ProfileJob:
+    """A profiling Job of the current fingerprint, as a pass sees it."""
+
+    name: str
+    attempt: int
+    state: str  # Running | Succeeded | Failed (`job_state`)
+
+
+@dataclass(frozen=True)
+class ProfileObservation:
+    """What one pass reads from the cluster for one node type."""
+
+    node_type: str
+    fingerprint: str
+    config_map: str
+    job_prefix: str  # a new Job is named `<job_prefix>-<attempt>`
+    stored: SpsProfile | None  # the ConfigMap's profile, when it carries the current fingerprint
+    jobs: tuple[ProfileJob, ...]  # Jobs of the current fingerprint
+    stale_jobs: tuple[str, ...]  # Jobs of another fingerprint (the image or model changed)
+    harvest: SpsProfile | str | None  # the newest Job's profile once it succeeded, or why it is unusable
+
+
+@dataclass(frozen=True)
+class DeleteJob:
+    name: str
+
+
+@dataclass(frozen=True)
+class StoreProfile:
+    profile: SpsProfile
+
+
+@dataclass(frozen=True)
+class CreateJob:
+    name: str
+    attempt: int
+
+
+ProfileAction = DeleteJob | StoreProfile | CreateJob
+
+
+@dataclass(frozen=True)
+class ProfileStep:
+    """The node type's new status entry, what to do in the cluster, and the events to post."""
+
     status: dict[str, Any]
-    events: list[Event] = field(default_factory=list)
+    actions: tuple[ProfileAction, ...] = ()
+    events: tuple[Event, ...] = ()
 
     @property
     def ready(self) -> bool:
@@ -78,13 +126,158 @@ def harvest_profile(kube: Kube, job: dict[str, Any]) -> SpsProfile:
     return extract_profile_from_log(kube.pod_log(meta["namespace"], pods[0]["metadata"]["name"], "profile"))
 
 
-def _find_jobs(kube: Kube, namespace: str, service: str, node_type: str) -> list[dict[str, Any]]:
+def observe_profile(
+    kube: Kube,
+    body: dict[str, Any],
+    spec: ServiceSpec,
+    node_label: str,
+    node_type: str,
+    now: float,
+    grace_seconds: float,
+) -> ProfileObservation:
+    """Read one node type's profile ConfigMap and Jobs (and the newest Job's log once it succeeded)."""
+    namespace, service = body["metadata"]["namespace"], body["metadata"]["name"]
+    fingerprint = builders.profile_fingerprint(spec, node_type)
+    config_map = builders.profile_configmap_name(service, node_type)
     labels = {
         builders.LABEL_SERVICE: service,
         builders.LABEL_COMPONENT: "profile",
         builders.LABEL_NODE_TYPE: builders.slug(node_type),
     }
-    return [j for j in kube.list("Job", namespace, labels) if not j["metadata"].get("deletionTimestamp")]
+    found = [j for j in kube.list("Job", namespace, labels) if not j["metadata"].get("deletionTimestamp")]
+    current = [j for j in found if j["metadata"]["labels"].get(builders.LABEL_FINGERPRINT) == fingerprint]
+    stale = tuple(j["metadata"]["name"] for j in found if j not in current)
+
+    stored = None
+    configmap = kube.get("ConfigMap", namespace, config_map)
+    if (
+        configmap
+        and (configmap["metadata"].get("labels") or {}).get(builders.LABEL_FINGERPRINT) == fingerprint
+    ):
+        stored = SpsProfile.model_validate_json(configmap["data"][builders.PROFILE_KEY])
+
+    timeout = spec.profiling.timeout_seconds + grace_seconds
+    jobs = tuple(
+        ProfileJob(
+            j["metadata"]["name"],
+            int(j["metadata"]["labels"].get(LABEL_ATTEMPT, "0")),
+            job_state(j, now, timeout),
+        )
+        for j in current
+    )
+    harvest: SpsProfile | str | None = None
+    newest = _newest(jobs)
+    if stored is None and newest is not None and newest.state == "Succeeded":
+        try:
+            harvest = harvest_profile(kube, next(j for j in current if j["metadata"]["name"] == newest.name))
+        except (ValueError, KubeError) as exc:
+            harvest = str(exc)
+    job_prefix = builders.profile_job_name(service, node_type, fingerprint)
+    return ProfileObservation(node_type, fingerprint, config_map, job_prefix, stored, jobs, stale, harvest)
+
+
+def _newest(jobs: tuple[ProfileJob, ...]) -> ProfileJob | None:
+    return max(jobs, key=lambda j: j.attempt, default=None)
+
+
+def next_profile_step(
+    seen: ProfileObservation, previous: dict[str, Any] | None, settings: ProfilingSpec, now: float
+) -> ProfileStep:
+    """One node type's next profiling step: stored -> Ready; a Job running -> Running; a Job
+    succeeded -> store its profile; a Job failed -> retry with exponential backoff until
+    `max_attempts`, then Failed (terminal until the fingerprint changes); no Job -> start one."""
+    previous = previous or {}
+    node_type = seen.node_type
+    same_fp = previous.get("fingerprint") == seen.fingerprint
+    attempts = int(previous.get("attempts") or 0) if same_fp else 0
+    base = {"fingerprint": seen.fingerprint, "configMap": seen.config_map, "attempts": attempts}
+    cleanup = tuple(DeleteJob(name) for name in seen.stale_jobs)
+
+    if seen.stored is not None:
+        done = tuple(DeleteJob(j.name) for j in seen.jobs)
+        return ProfileStep(_ready(base, seen.stored), cleanup + done)
+
+    job = _newest(seen.jobs)
+    if job is not None:
+        attempts = max(attempts, job.attempt)
+        base["attempts"] = attempts
+        if job.state == "Running":
+            return ProfileStep({**base, "state": "Running", "job": job.name, "message": None}, cleanup)
+        failure = f"profiling job {job.name} failed"
+        if job.state == "Succeeded":
+            if isinstance(seen.harvest, SpsProfile):
+                return ProfileStep(
+                    _ready(base, seen.harvest),
+                    (*cleanup, StoreProfile(seen.harvest), DeleteJob(job.name)),
+                    (
+                        Event(
+                            "Normal",
+                            "ProfileReady",
+                            f"{node_type}: {len(seen.harvest.points)} points from {job.name}",
+                        ),
+                    ),
+                )
+            failure = f"profiling job {job.name} succeeded but its profile is unusable: {seen.harvest}"
+        actions = (*cleanup, DeleteJob(job.name))
+        if attempts >= settings.max_attempts:
+            message = f"{failure}; giving up after {attempts} attempts"
+            return ProfileStep(
+                {**base, "state": "Failed", "job": None, "nextRetryAt": None, "message": message},
+                actions,
+                (Event("Warning", "ProfilingFailed", f"{node_type}: {message}"),),
+            )
+        delay = settings.backoff_seconds * 2 ** (attempts - 1)
+        message = f"{failure}; retry {attempts + 1}/{settings.max_attempts} in {delay:g}s"
+        return ProfileStep(
+            {**base, "state": "Retrying", "job": None, "nextRetryAt": iso(now + delay), "message": message},
+            actions,
+            (Event("Warning", "ProfilingRetry", f"{node_type}: {message}"),),
+        )
+
+    if same_fp and previous.get("state") == "Failed":
+        return ProfileStep({**previous}, cleanup)  # terminal until the spec changes the fingerprint
+    retry_at = parse_time(previous.get("nextRetryAt")) if same_fp else None
+    if retry_at is not None and now < retry_at:
+        return ProfileStep({**previous, **base, "state": "Retrying"}, cleanup)
+
+    attempts += 1
+    name = f"{seen.job_prefix}-{attempts}"
+    return ProfileStep(
+        {**base, "attempts": attempts, "state": "Running", "job": name, "nextRetryAt": None, "message": None},
+        (*cleanup, CreateJob(name, attempts)),
+        (Event("Normal", "ProfilingStarted", f"{node_type}: job {name} (attempt {attempts})"),),
+    )
+
+
+def run_profile_actions(
+    kube: Kube,
+    body: dict[str, Any],
+    spec: ServiceSpec,
+    node_label: str,
+    seen: ProfileObservation,
+    actions: tuple[ProfileAction, ...],
+) -> None:
+    """Carry out a step's actions in order."""
+    namespace = body["metadata"]["namespace"]
+    for action in actions:
+        if isinstance(action, DeleteJob):
+            kube.delete("Job", namespace, action.name)
+        elif isinstance(action, StoreProfile):
+            kube.apply(
+                builders.build_profile_configmap(
+                    body, seen.node_type, seen.fingerprint, action.profile.to_json()
+                )
+            )
+        else:
+            job = builders.build_profile_job(body, spec, node_label, seen.node_type, seen.fingerprint)
+            job["metadata"]["name"] = action.name
+            for meta in (job["metadata"], job["spec"]["template"]["metadata"]):
+                meta["labels"] = {**meta["labels"], LABEL_ATTEMPT: str(action.attempt)}
+            try:
+                kube.create(job)
+            except KubeError as exc:
+                if exc.status != 409:  # 409: a concurrent pass created it first
+                    raise
 
 
 def reconcile_profile(
@@ -96,106 +289,12 @@ def reconcile_profile(
     previous: dict[str, Any] | None,
     now: float,
     grace_seconds: float,
-) -> ProfileOutcome:
-    """Advance one node type's profile by one step and return its status entry."""
-    previous = previous or {}
-    namespace, service = body["metadata"]["namespace"], body["metadata"]["name"]
-    fingerprint = builders.profile_fingerprint(spec, node_type)
-    cm_name = builders.profile_configmap_name(service, node_type)
-    same_fp = previous.get("fingerprint") == fingerprint
-    attempts = int(previous.get("attempts") or 0) if same_fp else 0
-    base = {"fingerprint": fingerprint, "configMap": cm_name, "attempts": attempts}
-
-    jobs = _find_jobs(kube, namespace, service, node_type)
-    for stale in [j for j in jobs if j["metadata"]["labels"].get(builders.LABEL_FINGERPRINT) != fingerprint]:
-        kube.delete("Job", namespace, stale["metadata"]["name"])  # image or model changed
-    jobs = [j for j in jobs if j["metadata"]["labels"].get(builders.LABEL_FINGERPRINT) == fingerprint]
-
-    configmap = kube.get("ConfigMap", namespace, cm_name)
-    if (
-        configmap
-        and (configmap["metadata"].get("labels") or {}).get(builders.LABEL_FINGERPRINT) == fingerprint
-    ):
-        for job in jobs:
-            kube.delete("Job", namespace, job["metadata"]["name"])
-        profile = SpsProfile.model_validate_json(configmap["data"][builders.PROFILE_KEY])
-        return ProfileOutcome(_ready(base, profile))
-
-    job = max(jobs, key=lambda j: int(j["metadata"]["labels"].get(LABEL_ATTEMPT, "0")), default=None)
-    if job is not None:
-        attempts = max(attempts, int(job["metadata"]["labels"].get(LABEL_ATTEMPT, "0")))
-        base["attempts"] = attempts
-        timeout = spec.profiling.timeout_seconds + grace_seconds
-        state = job_state(job, now, timeout)
-        job_name = job["metadata"]["name"]
-        if state == "Running":
-            return ProfileOutcome({**base, "state": "Running", "job": job_name, "message": None})
-        failure = f"profiling job {job_name} failed"
-        if state == "Succeeded":
-            try:
-                profile = harvest_profile(kube, job)
-            except (ValueError, KubeError) as exc:
-                failure = f"profiling job {job_name} succeeded but its profile is unusable: {exc}"
-            else:
-                kube.apply(builders.build_profile_configmap(body, node_type, fingerprint, profile.to_json()))
-                kube.delete("Job", namespace, job_name)
-                return ProfileOutcome(
-                    _ready(base, profile),
-                    [
-                        Event(
-                            "Normal",
-                            "ProfileReady",
-                            f"{node_type}: {len(profile.points)} points from {job_name}",
-                        )
-                    ],
-                )
-        kube.delete("Job", namespace, job_name)
-        if attempts >= spec.profiling.max_attempts:
-            message = f"{failure}; giving up after {attempts} attempts"
-            return ProfileOutcome(
-                {**base, "state": "Failed", "job": None, "nextRetryAt": None, "message": message},
-                [Event("Warning", "ProfilingFailed", f"{node_type}: {message}")],
-            )
-        delay = spec.profiling.backoff_seconds * 2 ** (attempts - 1)
-        message = f"{failure}; retry {attempts + 1}/{spec.profiling.max_attempts} in {delay:g}s"
-        return ProfileOutcome(
-            {**base, "state": "Retrying", "job": None, "nextRetryAt": iso(now + delay), "message": message},
-            [Event("Warning", "ProfilingRetry", f"{node_type}: {message}")],
-        )
-
-    if same_fp and previous.get("state") == "Failed":
-        return ProfileOutcome({**previous})  # terminal until the spec changes the fingerprint
-    retry_at = parse_time(previous.get("nextRetryAt")) if same_fp else None
-    if retry_at is not None and now < retry_at:
-        return ProfileOutcome({**previous, **base, "state": "Retrying"})
-
-    attempts += 1
-    new_job = builders.build_profile_job(body, spec, node_label, node_type, fingerprint)
-    new_job["metadata"]["name"] = f"{new_job['metadata']['name']}-{attempts}"
-    for meta in (new_job["metadata"], new_job["spec"]["template"]["metadata"]):
-        meta["labels"] = {**meta["labels"], LABEL_ATTEMPT: str(attempts)}
-    try:
-        kube.create(new_job)
-    except KubeError as exc:
-        if exc.status != 409:  # 409: a concurrent pass created it first
-            raise
-    return ProfileOutcome(
-        {
-            **base,
-            "attempts": attempts,
-            "state": "Running",
-            "job": new_job["metadata"]["name"],
-            "nextRetryAt": None,
-            "message": None,
-        },
-        [
-            Event(
-                "Normal",
-                "ProfilingStarted",
-                f"{node_type}: job {new_job['metadata']['name']} (attempt {attempts})",
-            )
-        ],
-    )
+) -> ProfileStep:
+    """Advance one node type's profile by one step and return it (status entry, events)."""
+    seen = observe_profile(kube, body, spec, node_label, node_type, now, grace_seconds)
+    step = next_profile_step(seen, previous, spec.profiling, now)
+    run_profile_actions(kube, body, spec, node_label, seen, step.actions)
+    return step
 
 
 def _ready(base: dict, profile: SpsProfile) -> dict:

@@ -19,8 +19,16 @@ from dspark_operator.metrics import (
     parse_metrics_text,
     tier_metrics_from_samples,
 )
-from dspark_operator.profiling import job_state
-from dspark_operator.spec import ServiceSpec
+from dspark_operator.profiling import (
+    CreateJob,
+    DeleteJob,
+    ProfileJob,
+    ProfileObservation,
+    StoreProfile,
+    job_state,
+    next_profile_step,
+)
+from dspark_operator.spec import ProfilingSpec, ServiceSpec
 from operator_fixtures import PROFILE, SERVICE, profile_json, service
 
 CRD_PATH = Path(__file__).parents[2] / "operator/dspark_operator/crds/dsparkservices.dspark.ai.yaml"
@@ -129,6 +137,46 @@ def test_job_state():
 
 
 BODY = {**SERVICE, "metadata": {"name": "chat", "namespace": "ml", "uid": "u-1"}}
+
+SETTINGS = ProfilingSpec.model_validate({"maxAttempts": 2, "backoffSeconds": 10})
+
+
+def seen(jobs=(), stored=None, harvest=None, stale=()) -> ProfileObservation:
+    return ProfileObservation("H200", "fp", "cm", "job", stored, tuple(jobs), tuple(stale), harvest)
+
+
+def test_next_profile_step_starts_a_job_then_waits_for_it():
+    step = next_profile_step(seen(stale=["old"]), None, SETTINGS, now=0.0)
+    assert step.actions == (DeleteJob("old"), CreateJob("job-1", 1))
+    assert step.status["state"] == "Running" and step.status["job"] == "job-1"
+    running = next_profile_step(seen([ProfileJob("job-1", 1, "Running")]), step.status, SETTINGS, now=5.0)
+    assert running.actions == () and running.status["state"] == "Running"
+
+
+def test_next_profile_step_stores_a_harvested_profile():
+    profile = SpsProfile.model_validate(PROFILE)
+    step = next_profile_step(
+        seen([ProfileJob("job-1", 1, "Succeeded")], harvest=profile), None, SETTINGS, 0.0
+    )
+    assert step.ready and step.actions == (StoreProfile(profile), DeleteJob("job-1"))
+    assert [e.reason for e in step.events] == ["ProfileReady"]
+    again = next_profile_step(
+        seen([ProfileJob("job-1", 1, "Succeeded")], stored=profile), None, SETTINGS, 1.0
+    )
+    assert again.ready and again.actions == (DeleteJob("job-1"),)
+
+
+def test_next_profile_step_retries_with_backoff_then_gives_up():
+    unusable = seen([ProfileJob("job-1", 1, "Succeeded")], harvest="no profile block")
+    step = next_profile_step(unusable, None, SETTINGS, now=100.0)
+    assert step.status["state"] == "Retrying" and "unusable: no profile block" in step.status["message"]
+    assert step.actions == (DeleteJob("job-1"),)
+    assert next_profile_step(seen(), step.status, SETTINGS, now=105.0).actions == ()  # backing off
+    retry = next_profile_step(seen(), step.status, SETTINGS, now=111.0)
+    assert retry.actions == (CreateJob("job-2", 2),)
+    failed = next_profile_step(seen([ProfileJob("job-2", 2, "Failed")]), retry.status, SETTINGS, now=120.0)
+    assert failed.status["state"] == "Failed" and [e.reason for e in failed.events] == ["ProfilingFailed"]
+    assert next_profile_step(seen(), failed.status, SETTINGS, now=999.0).actions == ()  # terminal
 
 
 def test_builders_names_fit_kubernetes_limits():
