@@ -12,9 +12,9 @@ import json
 import time
 from pathlib import Path
 
+from dspark.builder import engine_from_config, sibling_engine
 from dspark.drafters.ngram import NoDrafter
 from dspark.engine.config import EngineConfig
-from dspark.engine.llm_engine import LLMEngine
 from dspark.engine.sampling_params import SamplingParams
 from dspark.policies.factory import build_policy
 from dspark.profiling.operators import OperatorCount
@@ -33,7 +33,7 @@ def main() -> None:
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
-    base = LLMEngine.from_config(
+    base = engine_from_config(
         EngineConfig(
             target=args.target,
             drafter=args.drafter,
@@ -50,7 +50,7 @@ def main() -> None:
     for policy in ("none", "full"):
         for c in levels:
             drafter = NoDrafter() if policy == "none" else base.drafter
-            engine = base.sibling(drafter, build_policy(policy), max_num_seqs=c)
+            engine = sibling_engine(base, drafter, build_policy(policy), max_num_seqs=c)
             for _ in range(c):
                 engine.add_request(prompt, params)
             for _ in range(8):  # past the prefill

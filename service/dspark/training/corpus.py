@@ -219,9 +219,9 @@ def add_shards(
     """Generate the next `count` shards of a corpus. `stop_after_responses` interrupts the run
     after that many finished responses (tests of resuming). `threads` sets torch's CPU threads."""
     import torch
-    from dspark.commands.generate import encode_prompt
+    from dspark.builder import engine_from_config
     from dspark.engine.config import EngineConfig
-    from dspark.engine.llm_engine import LLMEngine
+    from dspark.engine.prompt import encode_prompt
     from dspark.engine.sampling_params import SamplingParams
     from dspark.models.pull import resolve_target
     from transformers import AutoTokenizer
@@ -250,7 +250,7 @@ def add_shards(
             f"shard {todo[-1]} is past its end: add sources to a new corpus"
         )
 
-    engine = LLMEngine.from_config(
+    engine = engine_from_config(
         EngineConfig(
             target=str(model_dir),
             drafter="none",
