@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dspark.builder import sibling_engine
 from dspark.drafters.ngram import NoDrafter
 from dspark.engine.sampling_params import SamplingParams
 from transformers import AutoModelForCausalLM
@@ -140,7 +141,7 @@ def test_greedy_with_penalties_equals_plain_decoding(tiny64):
     scripted = ScriptedDrafter(
         5, {tuple(p): o for (p, _), o in zip(cases, expected, strict=True)}, corrupt=0.2, vocab=64
     )
-    engine = plain.sibling(scripted, _policy("static:4"), max_batch_tokens=128)
+    engine = sibling_engine(plain, scripted, _policy("static:4"), max_batch_tokens=128)
     noise = [SamplingParams(temperature=1.0, max_tokens=9, seed=1, frequency_penalty=1.0)]
     results = engine.generate([p for p, _ in cases] + [PROMPTS[0]], [sp for _, sp in cases] + noise)
     assert [r.token_ids for r in results[: len(cases)]] == expected
@@ -164,7 +165,7 @@ def test_speculation_off_reproduces_plain_output_inside_a_speculating_batch(tiny
         SamplingParams(temperature=0.0, max_tokens=20, max_draft_tokens=1, ignore_eos=True),
     ]
     reference = {tuple(PROMPTS[0]): expected[1].token_ids}
-    engine = plain.sibling(ScriptedDrafter(4, reference, corrupt=0.1, vocab=64), _policy("static:4"))
+    engine = sibling_engine(plain, ScriptedDrafter(4, reference, corrupt=0.1, vocab=64), _policy("static:4"))
     results = engine.generate([PROMPTS[0]] * 5, off + speculate)
     for got, want in zip(results[:2], expected, strict=True):
         assert got.token_ids == want.token_ids
