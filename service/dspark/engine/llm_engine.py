@@ -21,6 +21,7 @@ from dspark.engine.sampler import SamplingTensors, logits_to_probs, sample
 from dspark.engine.sampling_params import SamplingParams
 from dspark.engine.scheduler import Scheduler, StepPlan
 from dspark.engine.stopping import append_tokens, new_text
+from dspark.engine.structured import GrammarCompiler, apply_masks, grammar_masks
 from dspark.engine.survival import host_array, survival_probabilities
 from dspark.engine.verifier import verify_draft_tokens, verify_greedy
 from dspark.engine.verify_policy import VerifyPolicy
@@ -84,6 +85,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.cache, device)
         self.scheduler = Scheduler(self.cache, config.max_batch_tokens)
         self.eos_ids = _eos_ids(model.config, tokenizer)
+        self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size, self.eos_ids)
         self.requests: dict[str, Request] = {}
         self.last_step_stats = StepStats()
         self._stats = StepStats()
@@ -116,7 +118,10 @@ class LLMEngine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        request = Request(request_id, prompt, params, on_output=on_output, generator=generator)
+        grammar = self.grammars.compile(params.structured) if params.structured is not None else None
+        request = Request(
+            request_id, prompt, params, on_output=on_output, generator=generator, grammar=grammar
+        )
         if self.tokenizer is not None:  # engines built for statistics tests run without one
             request.detokenizer = Detokenizer(self.tokenizer, request.output_token_ids)
         request.stats.arrival_time = time.perf_counter()
@@ -244,6 +249,9 @@ class LLMEngine:
             first_logits = logits[rows]
             if (processors := LogitsProcessors.build(done, logits.shape[-1], self.device)) is not None:
                 first_logits = processors.apply(first_logits)
+            grammars = [r.grammar for r in done]
+            if (masks := grammar_masks(grammars, None, [0] * len(done), 1, logits.shape[-1])) is not None:
+                first_logits = apply_masks(first_logits, masks)
             if all(r.params.greedy for r in done):
                 first = first_logits.argmax(-1).tolist()
             else:
@@ -259,6 +267,10 @@ class LLMEngine:
         tokens = draft.block.tokens[:, :gamma_max]
         if (processors := LogitsProcessors.build(decodes, row_logits.shape[-1], self.device)) is not None:
             row_logits = processors.apply(row_logits, tokens)
+        grammars = [r.grammar for r in decodes]
+        masks = grammar_masks(grammars, tokens, draft.lengths, gamma_max + 1, row_logits.shape[-1])
+        if masks is not None:  # position k masked after drafts 0..k-1, so forbidden drafts are rejected
+            row_logits = apply_masks(row_logits, masks)
         if all(r.params.greedy for r in decodes):
             return verify_greedy(tokens, row_logits.argmax(-1), lengths)
         sampling = self._sampling(decodes)
@@ -282,6 +294,8 @@ class LLMEngine:
             request.stats.first_token_time = now
         kept = append_tokens(request, tokens, self.eos_ids)
         tokens = tokens[:kept]
+        if request.grammar is not None and not request.grammar.advance(tokens):
+            request.finish_reason = "error"  # this request alone
         delta = ""
         if request.detokenizer is not None:
             delta = new_text(request, request.detokenizer.update(final=request.finish_reason is not None))
@@ -303,6 +317,7 @@ class LLMEngine:
             num_prompt_tokens=len(request.prompt_token_ids),
             num_output_tokens=len(request.output_token_ids),
             stats=stats,
+            error=request.grammar.error if request.grammar is not None else None,
         )
         self._deliver(request, output)
         return output

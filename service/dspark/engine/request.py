@@ -5,12 +5,16 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from dspark.engine.detokenizer import Detokenizer
 from dspark.engine.outputs import RequestOutput, RequestStats
 from dspark.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from dspark.engine.structured import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -40,6 +44,7 @@ class Request:
     text: str = ""  # detokenized output emitted so far
     detokenizer: Detokenizer | None = None  # None: no text (engines built without a tokenizer)
     finish_reason: str | None = None
+    grammar: GrammarState | None = None  # structured outputs: the matcher of the tokens so far
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_LOGIT_BIAS = 300  # entries per request, as OpenAI allows
+
+
+class StructuredOutput(BaseModel):
+    """What the output must match (`engine.structured`): `value` is a JSON schema as JSON text, a
+    regex, a Lark grammar, or the JSON list of allowed strings (`choice`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["json_schema", "regex", "grammar", "choice"]
+    value: str = Field(max_length=1_000_000)
 
 
 class SamplingParams(BaseModel):
@@ -33,6 +45,7 @@ class SamplingParams(BaseModel):
     max_draft_tokens: int | None = Field(
         None, ge=0, description="Cap on draft tokens verified per step (0 = no speculation; None = policy's)."
     )
+    structured: StructuredOutput | None = Field(None, description="Grammar the output must match.")
 
     @field_validator("stop")
     @classmethod
@@ -50,6 +63,14 @@ class SamplingParams(BaseModel):
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias of token {token} is {bias}; it must lie in [-100, 100]")
         return v
+
+    @model_validator(mode="after")
+    def _grammar_needs_eos(self):
+        if self.structured is not None and self.ignore_eos:
+            raise ValueError(
+                "ignore_eos cannot be combined with structured outputs (the grammar ends with EOS)"
+            )
+        return self
 
     @property
     def greedy(self) -> bool:

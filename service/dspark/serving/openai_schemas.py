@@ -3,9 +3,12 @@ and so are known fields that ask for something this server does not do (the reas
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+
+from dspark.engine.sampling_params import StructuredOutput
 
 MAX_STOP = 16
 MAX_LOGPROBS = 20
@@ -53,18 +56,66 @@ _UNSUPPORTED: dict[str, str] = {
     "prompt_logprobs": "prompt logprobs are not supported",
     "min_tokens": "min_tokens is not supported",
     "suffix": "suffix (insertion) is not supported",
-    "structured_outputs": "structured outputs are not supported yet",
-    "guided_json": "guided decoding is not supported yet",
-    "guided_regex": "guided decoding is not supported yet",
-    "guided_choice": "guided decoding is not supported yet",
-    "guided_grammar": "guided decoding is not supported yet",
+    "guided_json": "the guided_* fields are not supported; use structured_outputs",
+    "guided_regex": "the guided_* fields are not supported; use structured_outputs",
+    "guided_choice": "the guided_* fields are not supported; use structured_outputs",
+    "guided_grammar": "the guided_* fields are not supported; use structured_outputs",
 }
-_UNSUPPORTED_COMMON = (
-    "prompt_logprobs",
-    "min_tokens",
-    "structured_outputs",
-    *(k for k in _UNSUPPORTED if k.startswith("guided_")),
-)
+_UNSUPPORTED_COMMON = ("prompt_logprobs", "min_tokens", *(k for k in _UNSUPPORTED if k.startswith("guided_")))
+JSON_OBJECT = '{"type": "object"}'
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` extension: exactly one constraint on the output."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="A JSON schema.")
+    regex: str | None = Field(None, min_length=1)
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = Field(None, min_length=1, description="A Lark grammar (llguidance's dialect).")
+    json_object: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        given = [n for n in ("json_", "regex", "choice", "grammar", "json_object") if getattr(self, n)]
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar, json_object")
+        return self
+
+    def constraint(self) -> StructuredOutput:
+        if self.json_ is not None:
+            schema = self.json_ if isinstance(self.json_, str) else json.dumps(self.json_)
+            return StructuredOutput(kind="json_schema", value=schema)
+        if self.regex is not None:
+            return StructuredOutput(kind="regex", value=self.regex)
+        if self.choice is not None:
+            return StructuredOutput(kind="choice", value=json.dumps(self.choice))
+        if self.grammar is not None:
+            return StructuredOutput(kind="grammar", value=self.grammar)
+        return StructuredOutput(kind="json_schema", value=JSON_OBJECT)
+
+
+class TextFormat(_Strict):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Strict):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(_Strict):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class JsonSchemaFormat(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
 
 
 class _SamplingFields(_Strict):
@@ -87,6 +138,9 @@ class _SamplingFields(_Strict):
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="vLLM extension; 0 = off.")
     logit_bias: dict[str, float] | None = Field(
         None, description="Token id (as a string) -> bias in [-100, 100]."
+    )
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM extension: constrain the output."
     )
     speculative: SpeculativeOptions | None = Field(
         None, description="DSpark extension: per-request speculation."
@@ -148,6 +202,10 @@ class _SamplingFields(_Strict):
     def unsupported_fields(cls) -> tuple[str, ...]:
         return _UNSUPPORTED_COMMON
 
+    def constraint(self) -> StructuredOutput | None:
+        """What the output must match, for the engine (None: free text)."""
+        return self.structured_outputs.constraint() if self.structured_outputs is not None else None
+
     @property
     def token_bias(self) -> dict[int, float]:
         return {int(k): v for k, v in (self.logit_bias or {}).items()}
@@ -205,10 +263,6 @@ class CompletionRequest(_SamplingFields):
         return [v]
 
 
-class TextFormat(_Strict):
-    type: Literal["text"]
-
-
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
@@ -235,7 +289,9 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none"] | None = Field(None, description="Only `none`: tools are not supported.")
     parallel_tool_calls: StrictBool | None = Field(None, description="Metadata without tools.")
     function_call: Literal["none"] | None = None
-    response_format: TextFormat | None = None
+    response_format: TextFormat | JsonObjectFormat | JsonSchemaFormat | None = Field(
+        None, discriminator="type"
+    )
     modalities: list[Literal["text"]] | None = None
 
     @classmethod
@@ -245,9 +301,6 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError(
                 f"tool_choice: only 'none' is supported, not {choice!r} ({_UNSUPPORTED['tools']})"
             )
-        fmt = data.get("response_format")
-        if isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema"):
-            raise ValueError(f"response_format: {fmt['type']} is not supported yet (only 'text')")
 
     @classmethod
     def unsupported_fields(cls) -> tuple[str, ...]:
@@ -268,6 +321,20 @@ class ChatCompletionRequest(_SamplingFields):
         if all(not m.text().strip() for m in self.messages):
             raise ValueError("messages must contain some text")
         return self
+
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        if self.structured_outputs is not None and not isinstance(self.response_format, TextFormat | None):
+            raise ValueError("give response_format or structured_outputs, not both")
+        return self
+
+    def constraint(self) -> StructuredOutput | None:
+        fmt = self.response_format
+        if isinstance(fmt, JsonSchemaFormat):
+            return StructuredOutput(kind="json_schema", value=json.dumps(fmt.json_schema.schema_ or {}))
+        if isinstance(fmt, JsonObjectFormat):
+            return StructuredOutput(kind="json_schema", value=JSON_OBJECT)
+        return super().constraint()
 
     @property
     def output_limit(self) -> int | None:

@@ -240,6 +240,7 @@ class OpenAIService:
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
                 max_draft_tokens=req.speculative.cap if req.speculative is not None else None,
+                structured=req.constraint(),
             )
         except ValidationError as e:
             raise bad_request(f"invalid sampling parameters: {e.errors()[0]['msg']}") from None

@@ -1,0 +1,153 @@
+"""Structured outputs: a grammar (JSON schema, regex, Lark grammar or a choice of strings) masks
+the target's logits, through llguidance.
+
+llguidance (Rust, no dependencies beyond its abi3 wheel) matches tokens incrementally, computes
+the next-token mask in microseconds and rolls back consumed tokens. Under speculation, position k
+of a verification block is masked with the grammar state advanced over draft tokens 0..k-1, then
+rolled back; only the tokens the step accepts are committed. A draft token the grammar forbids has
+zero target probability, so verification rejects it; the output is exactly plain constrained
+decoding's (greedy) or distributed as it (sampled).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+
+from dspark.engine.sampling_params import StructuredOutput
+
+JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: no whitespace loops, fewer tokens
+
+
+def compile_grammar(spec: StructuredOutput) -> str:
+    """llguidance's grammar text for a request's constraint."""
+    if spec.kind == "json_schema":
+        return llguidance.LLMatcher.grammar_from_json_schema(spec.value, defaults=JSON_OPTIONS)
+    if spec.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(spec.value)
+    if spec.kind == "choice":
+        choices = json.loads(spec.value)
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+    return llguidance.LLMatcher.grammar_from_lark(spec.value)
+
+
+class GrammarCompiler:
+    """Compiles requests' constraints against the target's tokenizer; llguidance's view of the
+    tokenizer takes about a second to build, so it is built at the first structured request."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_ids: Sequence[int]) -> None:
+        self._hf = hf_tokenizer
+        self._vocab = vocab_size
+        self._eos = sorted(eos_ids)
+        self._tokenizer: llguidance.LLTokenizer | None = None
+
+    def compile(self, spec: StructuredOutput) -> GrammarState:
+        """A new request's grammar state; ValueError names an invalid schema, regex or grammar."""
+        if self._hf is None:
+            raise ValueError("structured outputs need the engine's tokenizer")
+        if self._tokenizer is None:
+            self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self._vocab, eos_token=self._eos)
+        return GrammarState(spec, self._tokenizer, self._eos)
+
+
+class GrammarState:
+    """One request's grammar matcher; `error` is set once the library failed for this request."""
+
+    def __init__(
+        self, spec: StructuredOutput, tokenizer: llguidance.LLTokenizer, eos_ids: Sequence[int]
+    ) -> None:
+        """Raise ValueError naming the problem when the schema, regex or grammar is invalid."""
+        try:
+            grammar = compile_grammar(spec)
+        except Exception as e:  # invalid JSON or schema the compiler rejects
+            raise ValueError(f"invalid {spec.kind}: {e}") from None
+        problem = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+        if problem:
+            raise ValueError(f"invalid {spec.kind}: {problem}")
+        self.matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if self.matcher.is_error():
+            raise ValueError(f"invalid {spec.kind}: {self.matcher.get_error()}")
+        self.eos_ids = frozenset(eos_ids)
+        self.error: str | None = None
+
+    def _until_eos(self, tokens: list[int]) -> list[int]:
+        """Tokens before the first EOS: an EOS ends the request, the matcher never consumes it."""
+        for i, t in enumerate(tokens):
+            if t in self.eos_ids:
+                return tokens[:i]
+        return tokens
+
+    def allowed(self, drafts: list[int], width: int, vocab: int) -> torch.Tensor:
+        """[width, vocab] bool: the tokens allowed at each block position, position k after drafts
+        0..k-1. Past the first forbidden draft the rows are never read (it is rejected there)."""
+        bits = torch.full((width, (vocab + 31) // 32), -1, dtype=torch.int32)
+        drafts = self._until_eos(drafts[: width - 1])
+        valid = self.matcher.validate_tokens(drafts) if drafts else 0
+        for k in range(valid + 1):
+            llguidance.torch.fill_next_token_bitmask(self.matcher, bits, k)
+            if k < valid and not self.matcher.consume_token(drafts[k]):
+                break
+        consumed = min(valid, k)
+        if consumed and not self.matcher.rollback(consumed):
+            self._fail("rollback failed")
+        if self.matcher.is_error():
+            self._fail(self.matcher.get_error())
+        return unpack_bits(bits, vocab)
+
+    def advance(self, tokens: list[int]) -> bool:
+        """Commit generated tokens; False (and `error` set) when the grammar cannot take them."""
+        body = self._until_eos(tokens)
+        if self.error is None and body and not self.matcher.consume_tokens(body):
+            self._fail(self.matcher.get_error() or f"the grammar rejected tokens {body}")
+        if self.error is None and len(body) < len(tokens) and not self.matcher.is_accepting():
+            self._fail("EOS before the grammar was complete")
+        return self.error is None
+
+    def _fail(self, message: str) -> None:
+        self.error = self.error or f"structured output failed: {message}"
+
+
+def unpack_bits(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """int32 bitmask [N, ceil(V / 32)] (bit j of word i = token 32 i + j) -> bool [N, V]."""
+    shifts = torch.arange(32, dtype=torch.int32)
+    return ((bits[:, :, None] >> shifts) & 1).reshape(bits.shape[0], -1)[:, :vocab].bool()
+
+
+def grammar_masks(
+    grammars: Sequence[GrammarState | None],
+    drafts: torch.Tensor | None,
+    lengths: Sequence[int],
+    width: int,
+    vocab: int,
+) -> torch.Tensor | None:
+    """[R, width, V] allowed tokens for the rows with a grammar (all True elsewhere); None when no
+    row has one. drafts [R, >= width - 1] on any device; lengths: each row's verify length."""
+    rows = [i for i, g in enumerate(grammars) if g is not None]
+    if not rows:
+        return None
+    host = drafts[rows, : width - 1].tolist() if drafts is not None and width > 1 else [[] for _ in rows]
+    masks = torch.ones((len(grammars), width, vocab), dtype=torch.bool)
+    for i, row_drafts in zip(rows, host, strict=True):
+        n = lengths[i]
+        try:
+            masks[i, : n + 1] = grammars[i].allowed(row_drafts[:n], n + 1, vocab)
+        except Exception as e:  # a library failure fails this request alone
+            grammars[i]._fail(str(e))
+            continue
+        if not masks[i, : n + 1].any(-1).all():  # no token allowed: softmax would be NaN
+            grammars[i]._fail("the grammar allows no next token")
+            masks[i] = True
+    return masks
+
+
+def apply_masks(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """Forbidden tokens to -inf; logits [R, W, V] or [R, V] with masks [R, W, V] / [R, 1, V]."""
+    masks = masks.to(logits.device)
+    if logits.dim() == 2:
+        masks = masks[:, 0]
+    return logits.float().masked_fill(~masks, float("-inf"))

@@ -1,0 +1,187 @@
+"""Structured outputs under speculation: constrained sampling follows the constrained target
+exactly (tiny target), greedy constrained output equals plain constrained decoding and validates
+(real target), bad constraints are refused before queueing, a grammar failure fails one request."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+from dspark.builder import sibling_engine
+from dspark.drafters.ngram import NgramDrafter, NoDrafter
+from dspark.engine.prompt import encode_prompt
+from dspark.engine.sampling_params import SamplingParams, StructuredOutput
+from tokenizers import Tokenizer, decoders, models
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+from tests.conftest import write_tiny_model
+from tests.engine.helpers import DistributionDrafter, engine_on
+
+V = 8
+N = 36_000  # as the other exact-distribution tests: a 0.03 bias cannot pass TV < 0.01
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """Tokens 0..7 are the letters a..h; h is EOS."""
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate("abcdefgh")}, merges=[]))
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="h")
+
+
+# Needs 4+ letters (never accepting within 3 tokens, so EOS stays forbidden) and avoids the
+# model's EOS ids (2 = c, 7 = h); the allowed letters per position, written out independently:
+REGEX = "[ab][abd][d-g][abd-g]+"
+ALLOWED = [[0, 1], [0, 1, 3], [3, 4, 5, 6]]
+
+
+@pytest.fixture(scope="module")
+def tiny8(tmp_path_factory):
+    path = write_tiny_model(tmp_path_factory.mktemp("tiny8") / "llama", "llama", seed=5, vocab_size=V)
+    return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def constrained_marginals(hf, prompt: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Exact distributions of output tokens 0-2 with and without the mask (temperature 1)."""
+    out = []
+    for masked in (True, False):
+        marginals, prefixes = [], {(): 1.0}
+        for k in range(3):
+            dist, nxt = torch.zeros(V), {}
+            seqs = list(prefixes)
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt + list(s) for s in seqs])).logits[:, -1]
+            for s, row in zip(seqs, logits, strict=True):
+                if masked:
+                    keep = torch.full((V,), float("-inf"))
+                    keep[ALLOWED[k]] = 0.0
+                    row = row + keep
+                p_row = torch.softmax(row, -1)
+                dist += prefixes[s] * p_row
+                for t in range(V):
+                    if p_row[t] > 0:
+                        nxt[(*s, t)] = prefixes[s] * p_row[t].item()
+            marginals.append(dist)
+            prefixes = nxt
+        out.append(marginals)
+    return out[0], out[1]
+
+
+def test_constrained_speculative_sampling_follows_the_constrained_target(tiny8):
+    path, hf = tiny8
+    prompt = [1, 5, 2, 7]
+    exact, unconstrained = constrained_marginals(hf, prompt)
+    # Drafts from the unconstrained marginals: some are forbidden and must be rejected.
+    drafter = DistributionDrafter(torch.stack(unconstrained[1:]).log())
+    engine = engine_on(path, drafter, "static:2", char_tokenizer(), max_num_seqs=1024, max_batch_tokens=8192)
+    params = SamplingParams(max_tokens=3, structured=StructuredOutput(kind="regex", value=REGEX))
+    results = engine.generate([prompt] * N, params)
+    tokens = torch.tensor([r.token_ids for r in results])
+    tvs = [
+        0.5 * (torch.bincount(tokens[:, k], minlength=V).float() / N - exact[k]).abs().sum().item()
+        for k in range(3)
+    ]
+    print(f"regex-constrained: TV per output token {[round(t, 4) for t in tvs]}")
+    assert max(tvs) < 0.01, tvs
+    for k in range(3):
+        assert set(tokens[:, k].unique().tolist()) <= set(ALLOWED[k])
+    accepted = sum(r.stats.accepted_tokens for r in results)
+    assert 0.02 < accepted / sum(r.stats.draft_tokens for r in results) < 0.9  # forbidden drafts rejected
+
+
+SCHEMAS = [
+    {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+        "required": ["color", "ok"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "city": {
+                "type": "object",
+                "properties": {"name": {"type": "string", "maxLength": 10}},
+                "required": ["name"],
+                "additionalProperties": False,
+            },
+            "temps": {"type": "array", "items": {"type": "number"}, "maxItems": 3},
+        },
+        "required": ["city", "temps"],
+        "additionalProperties": False,
+    },
+]
+
+
+@pytest.fixture(scope="module")
+def smollm(smollm_dir):
+    tokenizer = AutoTokenizer.from_pretrained(smollm_dir)
+    plain = engine_on(smollm_dir, NoDrafter(), "none", tokenizer, max_num_seqs=8)
+    return plain, tokenizer
+
+
+def test_greedy_constrained_speculation_equals_plain_and_validates(smollm):
+    plain, tokenizer = smollm
+    prompt = encode_prompt(tokenizer, "Describe a person, a colour and a city as JSON.")
+    constraints = [StructuredOutput(kind="json_schema", value=json.dumps(s)) for s in SCHEMAS]
+    constraints += [
+        StructuredOutput(kind="regex", value=r"(yes|no), because [a-z ]{1,20}\."),
+        StructuredOutput(kind="choice", value=json.dumps(["Paris", "London", "Rome"])),
+    ]
+    params = [SamplingParams(temperature=0.0, max_tokens=60, structured=c) for c in constraints]
+    expected = [plain.generate([prompt], p)[0] for p in params]
+    spec = sibling_engine(plain, NgramDrafter(4), _policy("static:4"))
+    got = spec.generate([prompt] * len(params), params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+    for schema, r in zip(SCHEMAS, got, strict=False):
+        assert r.finish_reason == "stop", r.text
+        jsonschema.validate(json.loads(r.text), schema)
+    assert got[4].text in ("Paris", "London", "Rome")
+    assert sum(r.stats.draft_tokens for r in got) > 0
+
+
+def test_invalid_constraints_are_refused_before_queueing(smollm):
+    plain, _ = smollm
+    for kind, value, needle in [
+        ("regex", "[ab", "unclosed"),
+        ("json_schema", '{"type": "objectx"}', "objectx"),
+        ("json_schema", "{not json", "json_schema"),
+        ("grammar", "start: foo", "foo"),
+    ]:
+        with pytest.raises(ValueError, match=needle):
+            plain.add_request([1, 2], SamplingParams(structured=StructuredOutput(kind=kind, value=value)))
+    assert not plain.has_unfinished_requests()
+
+
+def test_a_grammar_failure_fails_that_request_alone(smollm):
+    plain, tokenizer = smollm
+    prompt = encode_prompt(tokenizer, "Say something.")
+    engine = sibling_engine(plain, NgramDrafter(4), _policy("static:4"))
+    regex = StructuredOutput(kind="regex", value="[a-z ]{1,30}")
+    broken = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=20, structured=regex))
+    fine = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=20))
+
+    class BrokenMatcher:
+        def __getattr__(self, name):
+            raise RuntimeError("simulated library failure")
+
+    engine.requests[broken].grammar.matcher = BrokenMatcher()
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    final = {o.request_id: o for o in outputs if o.finished}
+    assert final[broken].finish_reason == "error" and "simulated" in final[broken].error
+    assert final[fine].finish_reason in ("stop", "length") and final[fine].num_output_tokens > 1
+
+
+def _policy(spec: str):
+    from dspark.policies.factory import build_policy
+
+    return build_policy(spec)
