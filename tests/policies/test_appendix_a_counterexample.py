@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from dspark.engine.verifier import verify_draft_tokens
 from dspark.policies.dspark import DSparkAsyncPolicy, DSparkPolicy
-from dspark.policies.prefix_scheduler import schedule_global_argmax
+from dspark.policies.ranking import global_argmax_lengths
 from dspark.sps_format import SpsPoint, SpsProfile
 
 ROUNDS = 12_000  # sd of a frequency near 0.7 is sqrt(0.21 / 12000) = 0.0042; TOL is ~5 sd
@@ -48,7 +48,7 @@ def per_round(schedule) -> torch.Tensor:
 def test_causal_greedy_stays_lossless_and_never_admits_x1() -> None:
     tokens, conf = draw_rounds(seed=1)
     policy = DSparkPolicy(appendix_profile(), refine=False)
-    lengths = per_round(lambda c: policy.schedule(c, 2, 1))(conf)
+    lengths = per_round(lambda c: policy.verify_lengths(c, 2, 1))(conf)
     assert lengths.eq(0).all()  # Theta_1 = 0.9 < Theta_0 = 1.0: break before c_2 is looked at
     freq = first_token_frequencies(tokens, lengths, seed=2)
     assert abs(freq[0].item() - 0.7) < TOL, freq
@@ -57,7 +57,7 @@ def test_causal_greedy_stays_lossless_and_never_admits_x1() -> None:
 def test_retrospective_global_search_is_biased_to_085() -> None:
     tokens, conf = draw_rounds(seed=3)
     profile = appendix_profile()
-    lengths = per_round(lambda c: schedule_global_argmax(c, profile.sps))(conf)
+    lengths = per_round(lambda c: global_argmax_lengths(c, profile.sps))(conf)
     # x_1 is admitted exactly when it is A: its own value decided its admission.
     assert torch.equal(lengths > 0, tokens[:, 0] == 0)
     freq = first_token_frequencies(tokens, lengths, seed=4)
@@ -68,7 +68,7 @@ def test_retrospective_global_search_is_biased_to_085() -> None:
 def test_async_capacity_from_two_steps_earlier_stays_lossless() -> None:
     tokens, conf = draw_rounds(seed=5)
     policy = DSparkAsyncPolicy(appendix_profile(), refine=False)
-    lengths = per_round(lambda c: policy.schedule(c, 2, 1))(conf)
+    lengths = per_round(lambda c: policy.verify_lengths(c, 2, 1))(conf)
     assert policy.warmup_steps == 2
     admitted = lengths[2:] > 0
     # x_1 is verified in about half the rounds (whenever x_1 two rounds back was A) ...

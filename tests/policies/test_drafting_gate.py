@@ -9,7 +9,7 @@ from dspark.engine.survival import survival_probabilities
 from dspark.policies.acceptance_scale import AcceptanceScale
 from dspark.policies.drafting_gate import DraftCost, DraftingGate
 from dspark.policies.dspark import DSparkAsyncPolicy, DSparkPolicy
-from dspark.policies.prefix_scheduler import schedule_prefix_greedy
+from dspark.policies.ranking import prefix_greedy_lengths, ranked_candidates
 from dspark.policies.sps_curve import OnlineSps, table_lookup
 from dspark.profiling.synthetic import synthetic_profile
 
@@ -18,6 +18,17 @@ from tests.policies.helpers import step_stats
 # Forward: 2 ms + 40 us per token, so 16 requests take ~2.6 ms to verify one token each.
 PROFILE = synthetic_profile(max_batch_tokens=512, fixed_ms=2.0, per_token_us=40.0, tile=64, tile_ms=0.3)
 FORWARD = table_lookup(PROFILE)
+
+
+def drafts(gate: DraftingGate, num_requests: int, other_s: float, plain_other_s: float | None) -> bool:
+    """Whether the gate drafts the 7 positions the tests' rows hold (or fewer: as many as they hold)."""
+    return gate.draft_horizon(num_requests, FORWARD, other_s, plain_other_s, [7]) > 0
+
+
+def expected_rate(pool, num_requests: int, fixed_s: float) -> float:
+    """The gate's expected rate drafting for `num_requests` requests like the `pool` rows."""
+    pool = np.asarray(pool, dtype=np.float64)
+    return DraftingGate.ranked_rate(ranked_candidates(pool)[0], pool.shape[0], num_requests, FORWARD, fixed_s)
 
 
 def test_draft_cost_interpolates_between_measured_batch_sizes_and_is_flat_outside() -> None:
@@ -84,9 +95,9 @@ def test_gate_reuses_a_horizons_expected_rate_for_reuse_steps_evaluations() -> N
 
 def test_gate_drafts_until_it_has_measured_costs_and_confidences() -> None:
     gate = DraftingGate()
-    assert gate.should_draft(16, FORWARD, 0.001, 0.001)  # nothing measured
+    assert drafts(gate, 16, 0.001, 0.001)  # nothing measured
     gate.cost.observe(16, 1.0)
-    assert gate.should_draft(16, FORWARD, 0.001, 0.001)  # no confidences yet
+    assert drafts(gate, 16, 0.001, 0.001)  # no confidences yet
     assert gate.skipped_steps == 0
 
 
@@ -96,21 +107,21 @@ def test_gate_drafts_until_it_remembers_memory_rows_of_confidences() -> None:
     gate.cost.observe(16, 0.005)  # twice the forward
     for _ in range(3):
         gate.remember(torch.full((16, 7), 0.3, dtype=torch.float64))
-        assert gate.should_draft(16, FORWARD, 0.001, 0.001)
+        assert drafts(gate, 16, 0.001, 0.001)
     gate.remember(torch.full((16, 7), 0.3, dtype=torch.float64))  # 64 rows: judged now
-    assert not gate.should_draft(16, FORWARD, 0.001, 0.001)
+    assert not drafts(gate, 16, 0.001, 0.001)
 
 
 def test_gate_skips_expensive_drafting_of_unlikely_tokens_and_keeps_cheap_likely_drafts() -> None:
     expensive = DraftingGate(memory_rows=16)
     expensive.cost.observe(16, 0.005)  # twice the forward
     expensive.remember(torch.full((16, 7), 0.3, dtype=torch.float64))
-    assert not expensive.should_draft(16, FORWARD, 0.001, 0.001)
+    assert not drafts(expensive, 16, 0.001, 0.001)
 
     cheap = DraftingGate(memory_rows=16)
     cheap.cost.observe(16, 0.0002)
     cheap.remember(torch.full((16, 7), 0.9, dtype=torch.float64))
-    assert cheap.should_draft(16, FORWARD, 0.001, 0.001)
+    assert drafts(cheap, 16, 0.001, 0.001)
 
 
 def test_gate_decision_matches_the_expected_rates() -> None:
@@ -123,8 +134,8 @@ def test_gate_decision_matches_the_expected_rates() -> None:
         gate = DraftingGate(memory_rows=8)
         gate.cost.observe(8, draft_s)
         gate.remember(conf)
-        expected = DraftingGate.expected_rate(conf, 8, FORWARD, other + draft_s) > plain * (1 + gate.min_gain)
-        decisions.append(gate.should_draft(8, FORWARD, other, other))
+        expected = expected_rate(conf, 8, other + draft_s) > plain * (1 + gate.min_gain)
+        decisions.append(drafts(gate, 8, other, other))
         assert decisions[-1] == expected
     assert decisions[0] and not decisions[-1]
 
@@ -136,33 +147,33 @@ def test_expected_rate_is_algorithm_1s_objective_on_the_pooled_rows() -> None:
     def step_rate(b: torch.Tensor) -> torch.Tensor:
         return 1.0 / (fixed + 1.0 / FORWARD(b))
 
-    lengths = schedule_prefix_greedy(conf, step_rate)
+    lengths = prefix_greedy_lengths(conf, step_rate)
     verified = torch.arange(7)[None, :] < lengths[:, None]
     tokens = 16 + float(survival_probabilities(conf)[verified].sum())
     expected = tokens * float(step_rate(torch.tensor([16 + int(lengths.sum())]))[0])
-    assert DraftingGate.expected_rate(conf, 16, FORWARD, fixed) == pytest.approx(expected)
+    assert expected_rate(conf, 16, fixed) == pytest.approx(expected)
     # Twice the rows standing for the same 16 requests: the same expected rate.
     doubled = torch.cat([conf, conf])
-    assert DraftingGate.expected_rate(doubled, 16, FORWARD, fixed) == pytest.approx(expected)
+    assert expected_rate(doubled, 16, fixed) == pytest.approx(expected)
 
 
 def test_gate_explores_after_a_run_of_skipped_steps() -> None:
     gate = DraftingGate(explore_every=3, memory_rows=16, reuse_steps=1)
     gate.cost.observe(16, 0.01)
     gate.remember(torch.full((16, 7), 0.1, dtype=torch.float64))
-    decisions = [gate.should_draft(16, FORWARD, 0.001, 0.001) for _ in range(25)]
+    decisions = [drafts(gate, 16, 0.001, 0.001) for _ in range(25)]
     drafted = [i for i, d in enumerate(decisions) if d]
     assert drafted == [3, 10, 23]  # each exploration that changed nothing doubles the interval
     assert gate.skipped_steps == 22
     gate.remember(torch.full((16, 7), 0.99, dtype=torch.float64))  # drafting pays again
     gate.cost.observe(16, 1e-5)
     gate.cost._seconds[16] = 1e-5
-    assert gate.should_draft(16, FORWARD, 0.001, 0.001)
+    assert drafts(gate, 16, 0.001, 0.001)
     gate._shapes.clear()  # forget the remembered rows
     gate._pool = gate._pool[:0]
     gate.remember(torch.full((16, 7), 0.1, dtype=torch.float64))
     gate.cost._seconds[16] = 0.01
-    decisions = [gate.should_draft(16, FORWARD, 0.001, 0.001) for _ in range(5)]
+    decisions = [drafts(gate, 16, 0.001, 0.001) for _ in range(5)]
     assert decisions == [False, False, False, True, False]  # back to the short interval
 
 
@@ -175,9 +186,9 @@ def test_exploration_is_counted_per_request_count() -> None:
     gate.remember(torch.full((16, 7), 0.1, dtype=torch.float64))
     at_16 = []
     for i in range(25):
-        at_16.append(gate.should_draft(16, FORWARD, 0.001, 0.001))
+        at_16.append(drafts(gate, 16, 0.001, 0.001))
         if i % 4 == 3:
-            assert gate.should_draft(1, FORWARD, 0.0, 0.001)  # drafting pays at one request
+            assert drafts(gate, 1, 0.0, 0.001)  # drafting pays at one request
     assert [i for i, d in enumerate(at_16) if d] == [3, 10, 23]  # as if R never changed
 
 
@@ -188,14 +199,14 @@ def test_exploration_at_one_request_renews_a_quarter_of_the_pool() -> None:
     gate.cost.observe(1, 0.0005)
     for _ in range(64):
         gate.remember(torch.full((1, 7), 0.05, dtype=torch.float64))
-    decisions = [gate.should_draft(1, FORWARD, 0.0002, 0.0002) for _ in range(28)]
+    decisions = [drafts(gate, 1, 0.0002, 0.0002) for _ in range(28)]
     assert decisions == [False] * 4 + [True] * 16 + [False] * 8  # nothing changed: the interval doubled
     burst = []
     for _ in range(16):
-        burst.append(gate.should_draft(1, FORWARD, 0.0002, 0.0002))
+        burst.append(drafts(gate, 1, 0.0002, 0.0002))
         gate.remember(torch.full((1, 7), 0.95, dtype=torch.float64))  # the drafts are good now
     assert all(burst)
-    assert all(gate.should_draft(1, FORWARD, 0.0002, 0.0002) for _ in range(10))
+    assert all(drafts(gate, 1, 0.0002, 0.0002) for _ in range(10))
 
 
 def test_pool_keeps_the_newest_steps_covering_memory_rows_zero_padded() -> None:
@@ -227,7 +238,7 @@ def test_policies_stop_drafting_when_drafting_costs_more_than_it_returns(make) -
     policy.gate.memory_rows = 16  # one step's rows are enough evidence here
     low = torch.full((16, 7), 0.2, dtype=torch.float64)
     assert policy.max_length(7, 16) == 7  # nothing measured: draft
-    policy.schedule(low, 7, 16)
+    policy.verify_lengths(low, 7, 16)
     # The engine reports drafting 16 requests at 10 ms against a ~2.6 ms forward.
     for _ in range(5):
         policy.observe_step(step_stats(16, 1 / PROFILE.sps(16.0), 0.0005, draft_s=0.010, drafted_requests=16))
@@ -235,7 +246,7 @@ def test_policies_stop_drafting_when_drafting_costs_more_than_it_returns(make) -
     assert policy.gate.skipped_steps == 1
     # A fixed curve (refine=False) learns no costs, so it keeps drafting.
     frozen = make(PROFILE, refine=False)
-    frozen.schedule(low, 7, 16)
+    frozen.verify_lengths(low, 7, 16)
     frozen.observe_step(step_stats(16, 1.0, 0.0005, draft_s=0.010, drafted_requests=16))
     assert frozen.max_length(7, 16) > 0
 
@@ -245,15 +256,15 @@ def test_async_policy_warms_up_again_after_skipped_steps() -> None:
     policy.gate.memory_rows = 16  # one step's rows are enough evidence here
     high = torch.full((16, 7), 0.9, dtype=torch.float64)
     for _ in range(3):
-        policy.schedule(high, 7, 16)
+        policy.verify_lengths(high, 7, 16)
     warm = policy.warmup_steps
     policy.gate.cost.observe(16, 1.0)
     assert policy.max_length(7, 16) == 0
     policy.gate = DraftingGate(memory_rows=16)  # nothing measured again: drafts
     assert policy.max_length(7, 16) > 0
-    policy.schedule(high, 7, 16)  # capacity from the step before the skip
+    policy.verify_lengths(high, 7, 16)  # capacity from the step before the skip
     assert policy.warmup_steps == warm == 2
-    policy.schedule(high, 7, 16)  # the skipped step is two steps back: Algorithm 1 instead
+    policy.verify_lengths(high, 7, 16)  # the skipped step is two steps back: Algorithm 1 instead
     assert policy.warmup_steps == 3
 
 
@@ -262,7 +273,7 @@ def test_plain_steps_overhead_is_measured_on_a_skipped_step_and_used_for_the_com
     policy.gate.memory_rows = 16  # one step's rows are enough evidence here
     high = torch.full((16, 7), 0.6, dtype=torch.float64)
     assert policy.max_length(7, 16) == 7
-    policy.schedule(high, 7, 16)
+    policy.verify_lengths(high, 7, 16)
     # Drafted steps: accepting their tokens costs 2 ms besides a cheap 0.5 ms drafting.
     policy.observe_step(step_stats(16, 1 / PROFILE.sps(16.0), 0.002, draft_s=0.0005, drafted_requests=16))
     assert policy.plain_other_s is None
@@ -270,7 +281,7 @@ def test_plain_steps_overhead_is_measured_on_a_skipped_step_and_used_for_the_com
     policy.observe_step(step_stats(16, 1 / PROFILE.sps(16.0), 0.0001))
     assert policy.plain_other_s == pytest.approx(0.0001) and policy.other_s > 0
     gate = policy.gate
-    with_draft = gate.expected_rate(gate.pool(), 16, FORWARD, policy.other_s + gate.cost.seconds(16))
+    with_draft = expected_rate(gate._pool, 16, policy.other_s + gate.cost.seconds(16))
     plain = 16 / (0.0001 + 1 / float(FORWARD(torch.tensor([16]))[0]))
     assert (policy.max_length(7, 16) > 0) == (with_draft > plain * (1 + gate.min_gain))
 
@@ -314,7 +325,7 @@ def test_over_confident_drafts_stop_being_verified_and_drafted() -> None:
     policy = DSparkPolicy(PROFILE)
     policy.gate.memory_rows = 16  # one step's rows are enough evidence here
     conf = torch.full((16, 7), 0.8, dtype=torch.float64)
-    before = int(policy.schedule(conf, 7, 16).sum())
+    before = int(policy.verify_lengths(conf, 7, 16).sum())
     for _ in range(100):
         policy.observe_step(
             step_stats(
@@ -322,7 +333,7 @@ def test_over_confident_drafts_stop_being_verified_and_drafted() -> None:
             )
         )
     assert policy.acceptance.factor < 0.1
-    assert int(policy.schedule(conf, 7, 16).sum()) < before
+    assert int(policy.verify_lengths(conf, 7, 16).sum()) < before
 
 
 def test_a_slowdown_seen_only_on_undrafted_steps_does_not_make_drafting_look_cheap() -> None:
@@ -335,8 +346,8 @@ def test_a_slowdown_seen_only_on_undrafted_steps_does_not_make_drafting_look_che
     policy = DSparkPolicy(curve)
     policy.gate.memory_rows = 16
     conf = torch.full((16, 7), 0.3, dtype=torch.float64)
-    policy.schedule(conf, 7, 16)
-    budget = int(policy.schedule(conf, 7, 16).sum())
+    policy.verify_lengths(conf, 7, 16)
+    budget = int(policy.verify_lengths(conf, 7, 16).sum())
     drafted_b = 16 + budget
 
     def forward_s(b: int, slowdown: float = 1.0) -> float:

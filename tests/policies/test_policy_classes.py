@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 from dspark.policies.dspark import DSparkAsyncPolicy, DSparkPolicy
-from dspark.policies.prefix_scheduler import schedule_global_argmax, schedule_prefix_greedy, topk_survival
+from dspark.policies.ranking import global_argmax_lengths, prefix_greedy_lengths, topk_survival
 from dspark.policies.sps_curve import OnlineSps
 from dspark.policies.threshold import ThresholdPolicy
 from dspark.profiling.synthetic import synthetic_profile
@@ -31,28 +31,28 @@ def test_unusable_confidences_fall_back_with_one_warning_per_burst(make, caplog)
     inf = confidences(1)
     inf[0, 0] = float("inf")
     with caplog.at_level(logging.WARNING, logger="dspark.policies.confidence"):
-        assert policy.schedule(None, 6, 16).tolist() == [3] * 16
-        assert policy.schedule(bad, 6, 16).tolist() == [3] * 16
-        assert policy.schedule(None, 2, 4).tolist() == [2] * 4  # never more than gamma
+        assert policy.verify_lengths(None, 6, 16).tolist() == [3] * 16
+        assert policy.verify_lengths(bad, 6, 16).tolist() == [3] * 16
+        assert policy.verify_lengths(None, 2, 4).tolist() == [2] * 4  # never more than gamma
         assert len(caplog.records) == 1 and "static 3" in caplog.records[0].getMessage()
-        policy.schedule(confidences(2), 6, 16)  # usable again: the burst ends
-        assert policy.schedule(inf, 6, 16).tolist() == [3] * 16
+        policy.verify_lengths(confidences(2), 6, 16)  # usable again: the burst ends
+        assert policy.verify_lengths(inf, 6, 16).tolist() == [3] * 16
     assert policy.fallbacks == 4
     assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 2
 
 
 def test_wrong_confidence_shape_is_an_error() -> None:
     with pytest.raises(ValueError, match=r"shape \(16, 6\), expected \(16, 5\)"):
-        DSparkPolicy(PROFILE).schedule(confidences(0), 5, 16)
+        DSparkPolicy(PROFILE).verify_lengths(confidences(0), 5, 16)
 
 
 def test_lengths_are_cpu_int64_within_gamma() -> None:
     for policy in (DSparkPolicy(PROFILE), DSparkAsyncPolicy(PROFILE), ThresholdPolicy(0.3)):
         for seed in range(4):
-            lengths = policy.schedule(confidences(seed).to(torch.bfloat16), 6, 16)
+            lengths = policy.verify_lengths(confidences(seed).to(torch.bfloat16), 6, 16)
             assert lengths.dtype == torch.int64 and lengths.device.type == "cpu"
             assert int(lengths.min()) >= 0 and int(lengths.max()) <= 6
-    assert DSparkPolicy(PROFILE).schedule(torch.empty(0, 6), 6, 0).tolist() == []
+    assert DSparkPolicy(PROFILE).verify_lengths(torch.empty(0, 6), 6, 0).tolist() == []
 
 
 def test_threshold_policy_matches_a_loop() -> None:
@@ -63,7 +63,7 @@ def test_threshold_policy_matches_a_loop() -> None:
         while n < len(row) and row[n] >= 0.7:
             n += 1
         expected.append(n)
-    assert ThresholdPolicy(0.7).schedule(conf, 6, 16).tolist() == expected
+    assert ThresholdPolicy(0.7).verify_lengths(conf, 6, 16).tolist() == expected
 
 
 @pytest.mark.parametrize("bad", [0.0, 1.0, -0.2, 1.5, float("nan")])
@@ -76,19 +76,19 @@ def test_dspark_policy_is_algorithm_1_on_its_sps_curve() -> None:
     policy = DSparkPolicy(PROFILE, refine=False)
     for seed in range(5):
         conf = confidences(seed)
-        assert torch.equal(policy.schedule(conf, 6, 16), schedule_prefix_greedy(conf, PROFILE.sps))
+        assert torch.equal(policy.verify_lengths(conf, 6, 16), prefix_greedy_lengths(conf, PROFILE.sps))
 
 
 def test_observe_step_refines_the_dspark_curve() -> None:
     policy = DSparkPolicy(PROFILE)
     assert isinstance(policy.sps, OnlineSps)
-    before = policy.schedule(confidences(0), 6, 16).sum()
+    before = policy.verify_lengths(confidences(0), 6, 16).sum()
     # The node turns out 3x slower per token than profiled: verifying extra tokens costs more.
     for _ in range(200):
         for b in (16, 32, 64, 96, 112):
             policy.observe_step(step_stats(b, (2.0 + 3 * 0.04 * b) / 1000))
     assert policy.sps.observations == 1000
-    after = policy.schedule(confidences(0), 6, 16).sum()
+    after = policy.verify_lengths(confidences(0), 6, 16).sum()
     assert after < before
     # A fixed profile (refine=False) ignores step timings.
     frozen = DSparkPolicy(PROFILE, refine=False)
@@ -112,11 +112,11 @@ def test_step_overhead_makes_verification_relatively_cheaper() -> None:
     """Drafting time is paid whatever is verified, so a slow drafter justifies verifying more."""
     policy = DSparkPolicy(PROFILE)
     conf = confidences(0)
-    before = policy.schedule(conf, 6, 16).sum()
+    before = policy.verify_lengths(conf, 6, 16).sum()
     for _ in range(100):
         policy.observe_step(step_stats(16, 1 / PROFILE.sps(16.0), 0.05, drafted_requests=16))
     assert policy.other_s == pytest.approx(0.05, rel=1e-3)
-    after = policy.schedule(conf, 6, 16).sum()
+    after = policy.verify_lengths(conf, 6, 16).sum()
     assert after > before
     frozen = DSparkPolicy(PROFILE, refine=False)
     frozen.observe_step(step_stats(16, 1.0, 0.05, drafted_requests=16))
@@ -126,13 +126,13 @@ def test_step_overhead_makes_verification_relatively_cheaper() -> None:
 def test_async_uses_greedy_for_two_steps_then_capacity_from_two_steps_back() -> None:
     policy = DSparkAsyncPolicy(PROFILE, refine=False)
     confs = [confidences(seed, rows=16 + seed) for seed in range(5)]  # the request count changes
-    out = [policy.schedule(c, 6, c.shape[0]) for c in confs]
+    out = [policy.verify_lengths(c, 6, c.shape[0]) for c in confs]
     assert policy.warmup_steps == 2
     for t in (0, 1):
-        assert torch.equal(out[t], schedule_prefix_greedy(confs[t], PROFILE.sps))
+        assert torch.equal(out[t], prefix_greedy_lengths(confs[t], PROFILE.sps))
     for t in (2, 3, 4):
         earlier = confs[t - 2]
-        target_batch = earlier.shape[0] + int(schedule_global_argmax(earlier, PROFILE.sps).sum())
+        target_batch = earlier.shape[0] + int(global_argmax_lengths(earlier, PROFILE.sps).sum())
         capacity = max(0, target_batch - confs[t].shape[0])
         assert torch.equal(out[t], topk_survival(confs[t], capacity))
         assert 0 < capacity < confs[t].numel()  # a real partial budget, not all or nothing
@@ -141,28 +141,25 @@ def test_async_uses_greedy_for_two_steps_then_capacity_from_two_steps_back() -> 
 
 def test_async_after_a_fallback_step_schedules_causally_until_history_returns() -> None:
     policy = DSparkAsyncPolicy(PROFILE, refine=False)
-    policy.schedule(confidences(0), 6, 16)
-    policy.schedule(None, 6, 16)  # no confidences: nothing to derive a capacity from
+    policy.verify_lengths(confidences(0), 6, 16)
+    policy.verify_lengths(None, 6, 16)  # no confidences: nothing to derive a capacity from
     third = confidences(2)
-    capacity = int(schedule_global_argmax(confidences(0), PROFILE.sps).sum())  # same 16 requests
-    assert torch.equal(policy.schedule(third, 6, 16), topk_survival(third, capacity))
+    capacity = int(global_argmax_lengths(confidences(0), PROFILE.sps).sum())  # same 16 requests
+    assert torch.equal(policy.verify_lengths(third, 6, 16), topk_survival(third, capacity))
     fourth = confidences(3)
-    assert torch.equal(policy.schedule(fourth, 6, 16), schedule_prefix_greedy(fourth, PROFILE.sps))
+    assert torch.equal(policy.verify_lengths(fourth, 6, 16), prefix_greedy_lengths(fourth, PROFILE.sps))
     assert policy.warmup_steps == 2  # step 1 and step 4
-    policy.reset()
-    policy.schedule(confidences(4), 6, 16)
-    assert policy.warmup_steps == 3
 
 
 def test_async_capacity_shrinks_when_many_requests_join() -> None:
     policy = DSparkAsyncPolicy(PROFILE, refine=False)
     small = confidences(0, rows=2)
-    policy.schedule(small, 6, 2)
-    policy.schedule(small, 6, 2)
-    target_batch = 2 + int(schedule_global_argmax(small, PROFILE.sps).sum())
+    policy.verify_lengths(small, 6, 2)
+    policy.verify_lengths(small, 6, 2)
+    target_batch = 2 + int(global_argmax_lengths(small, PROFILE.sps).sum())
     crowd = confidences(1, rows=target_batch + 5)
     # More requests than the batch size chosen two steps back: no draft tokens this step.
-    assert policy.schedule(crowd, 6, crowd.shape[0]).sum() == 0
+    assert policy.verify_lengths(crowd, 6, crowd.shape[0]).sum() == 0
 
 
 @pytest.mark.parametrize("make", [DSparkPolicy, DSparkAsyncPolicy])
@@ -170,10 +167,10 @@ def test_draft_horizon_is_one_past_the_previous_longest_length(make) -> None:
     policy = make(PROFILE, refine=False)
     assert policy.max_length(6) == 6  # nothing scheduled yet: the whole block
     low = torch.full((16, 6), 0.02, dtype=torch.float64)  # nothing worth verifying
-    assert int(policy.schedule(low, 6, 16).max()) == 0
+    assert int(policy.verify_lengths(low, 6, 16).max()) == 0
     assert policy.max_length(6) == 1
     high = torch.full((16, 1), 0.99, dtype=torch.float64)
-    longest = int(policy.schedule(high, 1, 16).max())
+    longest = int(policy.verify_lengths(high, 1, 16).max())
     assert longest == 1 and policy.max_length(6) == 2  # grows by one per step
 
 
@@ -183,7 +180,7 @@ def test_a_skipped_step_keeps_the_draft_horizon(make) -> None:
     policy = make(PROFILE, refine=False)
     policy.gate.memory_rows = 16
     two = torch.tensor([[0.99, 0.99] + [0.001] * 5] * 16, dtype=torch.float64)
-    assert int(policy.schedule(two, 7, 16).max()) == 2
+    assert int(policy.verify_lengths(two, 7, 16).max()) == 2
     policy.gate.cost.observe(16, 1e-6)
     assert policy.max_length(7, 16) == 0  # the gate measures one undrafted step first
     policy.plain_other_s = 1e-4
@@ -197,6 +194,6 @@ def test_algorithm_1_is_not_stopped_by_an_inverted_profile_point(make) -> None:
     flat = {b: 100.0 for b in range(1, 17)}
     conf = torch.full((4, 3), 0.9, dtype=torch.float64)
     inverted = make(profile(flat | {5: 50.0}), refine=False)
-    assert int(inverted.schedule(conf, 3, 4).sum()) == 12  # flat everywhere else: verify it all
+    assert int(inverted.verify_lengths(conf, 3, 4).sum()) == 12  # flat everywhere else: verify it all
     real_drop = make(profile({b: 100.0 if b < 5 else 50.0 for b in range(1, 17)}), refine=False)
-    assert int(real_drop.schedule(conf, 3, 4).sum()) == 0
+    assert int(real_drop.verify_lengths(conf, 3, 4).sum()) == 0

@@ -15,7 +15,7 @@ import torch
 from dspark.engine.verifier import verify_draft_tokens
 from dspark.engine.verify_policy import VerifyPolicy
 from dspark.policies.factory import build_policy
-from dspark.policies.prefix_scheduler import schedule_global_argmax
+from dspark.policies.ranking import global_argmax_lengths
 from dspark.sps_format import SpsProfile
 
 from tests.policies.helpers import profile
@@ -59,8 +59,8 @@ class GlobalArgmaxPolicy(VerifyPolicy):
     def __init__(self, profile: SpsProfile) -> None:
         self.profile = profile
 
-    def schedule(self, confidences, gamma, num_requests):
-        return schedule_global_argmax(confidences, self.profile.sps)
+    def verify_lengths(self, confidences, gamma, num_requests):
+        return global_argmax_lengths(confidences, self.profile.sps)
 
 
 def first_token_distribution(
@@ -78,7 +78,7 @@ def first_token_distribution(
     conf = torch.cat([first_conf, later_conf], dim=1)
     lengths = torch.cat(
         [
-            policy.schedule(conf[s : s + rows_per_step], GAMMA, rows_per_step)
+            policy.verify_lengths(conf[s : s + rows_per_step], GAMMA, rows_per_step)
             for s in range(0, n, rows_per_step)
         ]
     )

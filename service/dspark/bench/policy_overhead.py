@@ -1,6 +1,6 @@
 """Median per-step decision time of every verify policy: `python -m dspark.bench.policy_overhead`.
 
-Times `max_length()` (the DSpark policies' drafting gate) plus `schedule()`, which the engine
+Times `max_length()` (the DSpark policies' drafting gate) plus `verify_lengths()`, which the engine
 calls once per step; compare the figures with the engine's step time.
 """
 
@@ -27,7 +27,7 @@ def median_schedule_us(spec: str, requests: int, gamma: int, repeats: int, seed:
     confs = [torch.rand(requests, gamma, generator=gen).pow(0.3) for _ in range(8)]
     for c in confs:  # warm-up: fills the async policy's history and the gate's pool and costs
         policy.max_length(gamma, requests)
-        policy.schedule(c, gamma, requests)
+        policy.verify_lengths(c, gamma, requests)
         # Cheap drafting, so the gate evaluates and drafts every step: the costlier path.
         for drafted in (True, False):
             forward_s = 1 / profile.sps(requests)
@@ -46,7 +46,7 @@ def median_schedule_us(spec: str, requests: int, gamma: int, repeats: int, seed:
         c = confs[i % len(confs)]
         start = time.perf_counter()
         if policy.max_length(gamma, requests):
-            policy.schedule(c, gamma, requests)
+            policy.verify_lengths(c, gamma, requests)
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e6
 
@@ -59,10 +59,10 @@ def median_schedule_us(spec: str, requests: int, gamma: int, repeats: int, seed:
     "--threads", default=1, show_default=True, help="torch CPU threads (the engine's scheduler runs on one)."
 )
 def main(requests: int, gamma: int, repeats: int, threads: int) -> None:
-    """Print the median max_length() + schedule() time of each policy for R requests x gamma positions."""
+    """Print the median max_length() + verify_lengths() time of each policy for R requests x gamma positions."""
     torch.set_num_threads(threads)
     click.echo(
-        f"max_length() + schedule() median over {repeats} calls, R={requests}, gamma={gamma}, CPU, {threads} thread(s)"
+        f"max_length() + verify_lengths() median over {repeats} calls, R={requests}, gamma={gamma}, CPU, {threads} thread(s)"
     )
     click.echo(f"{'policy':<16}{'median us':>10}")
     for spec in POLICIES:

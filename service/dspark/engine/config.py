@@ -44,7 +44,6 @@ class EngineConfig(BaseModel):
     strict_profile: bool = Field(
         False, description="Refuse to start without a matching profile instead of profiling."
     )
-    seed: int = 0
 
     @field_validator("policy")
     @classmethod

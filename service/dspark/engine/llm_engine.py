@@ -185,7 +185,7 @@ class LLMEngine:
         # On the host once, for the policy and the statistics below (one device copy per step).
         confidences = host_array(block.confidences[:, :width]) if block.confidences is not None else None
         fallbacks = getattr(self.policy, "fallbacks", 0)
-        lengths = self.policy.schedule(confidences, width, len(decodes))
+        lengths = self.policy.verify_lengths(confidences, width, len(decodes))
         self._stats.policy_fallback = getattr(self.policy, "fallbacks", 0) > fallbacks
         limit = _verify_limits(decodes)
         lengths = lengths.cpu().numpy()

@@ -18,7 +18,7 @@ class VerifyPolicy(ABC):
     name: str = "base"
 
     @abstractmethod
-    def schedule(self, confidences: Confidences, gamma: int, num_requests: int) -> torch.Tensor:
+    def verify_lengths(self, confidences: Confidences, gamma: int, num_requests: int) -> torch.Tensor:
         """Return verify lengths [R] int64 from `confidences` (None: the drafter gives none)."""
 
     def max_length(self, gamma: int, num_requests: int = 1) -> int:

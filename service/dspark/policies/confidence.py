@@ -31,7 +31,7 @@ class ConfidencePolicy(VerifyPolicy):
         self.fallbacks = 0
         self._in_fallback = False
 
-    def schedule(self, confidences: Confidences, gamma: int, num_requests: int) -> torch.Tensor:
+    def verify_lengths(self, confidences: Confidences, gamma: int, num_requests: int) -> torch.Tensor:
         if confidences is not None and tuple(confidences.shape) != (num_requests, gamma):
             raise ValueError(
                 f"{self.name}: confidences have shape {tuple(confidences.shape)}, expected {(num_requests, gamma)}"
@@ -46,10 +46,10 @@ class ConfidencePolicy(VerifyPolicy):
         if self._in_fallback:
             logger.info("%s: confidences usable again, leaving the static fallback", self.name)
             self._in_fallback = False
-        return self._schedule(self._prepare(confidences))
+        return self._lengths(self._prepare(confidences))
 
     def _prepare(self, confidences: np.ndarray) -> np.ndarray:
-        """Usable confidences (float64, finite) on their way to `_schedule`: a hook for
+        """Usable confidences (float64, finite) on their way to `_lengths`: a hook for
         policies that adjust or record them."""
         return confidences
 
@@ -79,5 +79,5 @@ class ConfidencePolicy(VerifyPolicy):
         """A step was scheduled by the fallback (stateful policies record the gap)."""
 
     @abstractmethod
-    def _schedule(self, confidences: np.ndarray) -> torch.Tensor:
+    def _lengths(self, confidences: np.ndarray) -> torch.Tensor:
         """Lengths [R] (CPU int64) for finite confidences [R, gamma] (float64) with R, gamma >= 1."""

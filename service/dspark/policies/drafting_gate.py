@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from dspark.engine.survival import host_array
-from dspark.policies.prefix_scheduler import SpsFn, early_stop, expected_throughputs, ranked_candidates
+from dspark.policies.ranking import SpsFn, early_stop, expected_throughputs, ranked_candidates
 
 
 def ewma(old: float | None, new: float, alpha: float) -> float:
@@ -156,19 +156,6 @@ class DraftingGate:
         kept = self._pool[dropped:, :width]  # columns past `width` only padded dropped rows
         self._pool = np.concatenate([_padded(kept, width), _padded(confidences, width)])
 
-    def should_draft(
-        self,
-        num_requests: int,
-        forward_sps: SpsFn,
-        other_s: float,
-        plain_other_s: float | None,
-        horizon: int | None = None,
-    ) -> bool:
-        """Whether drafting `horizon` positions (default: as many as the remembered rows hold)
-        beats not drafting; see `draft_horizon`."""
-        width = horizon or self._pool.shape[1] or 1
-        return self.draft_horizon(num_requests, forward_sps, other_s, plain_other_s, [width]) > 0
-
     def draft_horizon(
         self,
         num_requests: int,
@@ -232,24 +219,15 @@ class DraftingGate:
         self._rates[num_requests, horizon] = (self._evaluations, rate)
         return rate
 
-    def pool(self) -> np.ndarray:
-        """The remembered rows, zero-padded to the widest (a position not drafted is not a candidate)."""
-        return self._pool
-
-    @staticmethod
-    def expected_rate(pool: np.ndarray, num_requests: int, forward_sps: SpsFn, fixed_s: float) -> float:
-        """Expected tokens per second of a step of `num_requests` requests like the `pool` rows
-        that spends `fixed_s` besides its forward and verifies by Algorithm 1."""
-        values = ranked_candidates(pool)[0]
-        return DraftingGate.ranked_rate(values, pool.shape[0], num_requests, forward_sps, fixed_s)
-
     @staticmethod
     def ranked_rate(
         survival: np.ndarray, rows: int, num_requests: int, forward_sps: SpsFn, fixed_s: float
     ) -> float:
-        """`expected_rate` from the pool's ranked survival values (`ranked_candidates`) and row count:
-        Algorithm 1's objective and early stop with rows weighted R / rows, so batch sizes are
-        fractional and the forward time is interpolated between the integers around them."""
+        """Expected tokens per second of a step of `num_requests` requests like the pool's rows
+        (given by their ranked survival values, `ranked_candidates`, and their count) that spends
+        `fixed_s` besides its forward and verifies by Algorithm 1: its objective and early stop
+        with rows weighted R / rows, so batch sizes are fractional and the forward time is
+        interpolated between the integers around them."""
 
         def step_rate(batch: np.ndarray) -> np.ndarray:
             low = np.floor(batch).astype(np.int64)

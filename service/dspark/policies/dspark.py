@@ -12,7 +12,7 @@ from dspark.engine.verify_policy import Confidences
 from dspark.policies.acceptance_scale import AcceptanceScale
 from dspark.policies.confidence import ConfidencePolicy
 from dspark.policies.drafting_gate import DraftingGate, ewma
-from dspark.policies.prefix_scheduler import schedule_global_argmax, schedule_prefix_greedy, topk_survival
+from dspark.policies.ranking import SpsFn, global_argmax_lengths, prefix_greedy_lengths, topk_survival
 from dspark.policies.sps_curve import OnlineSps, table_lookup
 from dspark.sps_format import SpsCurve, SpsProfile
 
@@ -61,8 +61,10 @@ class _SpsPolicy(ConfidencePolicy):
             self._forward_sps = lambda b: lookup(b) * curve.drift()
         self._longest: int | None = None  # longest verify length of the previous drafted step
 
-    def _step_rate(self, draft_s: float):
-        fixed_s = self.other_s + draft_s
+    def _step_rate(self, confidences: np.ndarray) -> SpsFn:
+        """Whole-step rate for a step drafting like `confidences` [R, gamma] (drafting cost at R, gamma)."""
+        num_requests, gamma = confidences.shape
+        fixed_s = self.other_s + (self.gate.cost.seconds(num_requests, gamma) or 0.0)
         return lambda b: 1.0 / (fixed_s + 1.0 / self._forward_sps(b))
 
     def max_length(self, gamma: int, num_requests: int = 1) -> int:
@@ -83,9 +85,8 @@ class _SpsPolicy(ConfidencePolicy):
             self._on_skip()
         return horizon
 
-    def schedule(self, confidences: Confidences, gamma: int, num_requests: int) -> torch.Tensor:
-        self._sps_fn = self._step_rate(self.gate.cost.seconds(num_requests, gamma) or 0.0)
-        lengths = super().schedule(confidences, gamma, num_requests)
+    def verify_lengths(self, confidences: Confidences, gamma: int, num_requests: int) -> torch.Tensor:
+        lengths = super().verify_lengths(confidences, gamma, num_requests)
         if num_requests:
             self._longest = int(lengths.max())
         return lengths
@@ -123,8 +124,8 @@ class DSparkPolicy(_SpsPolicy):
 
     name = "dspark"
 
-    def _schedule(self, confidences: np.ndarray) -> torch.Tensor:
-        return schedule_prefix_greedy(confidences, self._sps_fn)
+    def _lengths(self, confidences: np.ndarray) -> torch.Tensor:
+        return prefix_greedy_lengths(confidences, self._step_rate(confidences))
 
 
 class DSparkAsyncPolicy(_SpsPolicy):
@@ -152,18 +153,14 @@ class DSparkAsyncPolicy(_SpsPolicy):
         self._targets: deque[int | None] = deque(maxlen=self.lag)
         self.warmup_steps = 0
 
-    def reset(self) -> None:
-        """Forget the history (e.g. after the engine drained every request)."""
-        self._targets.clear()
-
-    def _schedule(self, confidences: np.ndarray) -> torch.Tensor:
-        num_requests = confidences.shape[0]
+    def _lengths(self, confidences: np.ndarray) -> torch.Tensor:
+        num_requests, step_rate = confidences.shape[0], self._step_rate(confidences)
         target = self._targets[0] if len(self._targets) == self.lag else None
         # The capacity this step hands to step t+2 (computed now, consumed later: ZOS-friendly).
-        self._targets.append(num_requests + int(schedule_global_argmax(confidences, self._sps_fn).sum()))
+        self._targets.append(num_requests + int(global_argmax_lengths(confidences, step_rate).sum()))
         if target is None:
             self.warmup_steps += 1
-            return schedule_prefix_greedy(confidences, self._sps_fn)
+            return prefix_greedy_lengths(confidences, step_rate)
         return topk_survival(confidences, max(0, target - num_requests))
 
     def _on_fallback(self) -> None:

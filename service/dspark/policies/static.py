@@ -19,5 +19,5 @@ class StaticPolicy(VerifyPolicy):
     def max_length(self, gamma: int, num_requests: int = 1) -> int:
         return gamma if self.length is None else min(self.length, gamma)
 
-    def schedule(self, confidences: Confidences, gamma: int, num_requests: int) -> torch.Tensor:
+    def verify_lengths(self, confidences: Confidences, gamma: int, num_requests: int) -> torch.Tensor:
         return torch.full((num_requests,), self.max_length(gamma), dtype=torch.int64)

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from dspark.policies.confidence import ConfidencePolicy
-from dspark.policies.prefix_scheduler import leading_at_least
+from dspark.policies.ranking import leading_at_least
 
 
 class ThresholdPolicy(ConfidencePolicy):
@@ -21,5 +21,5 @@ class ThresholdPolicy(ConfidencePolicy):
         self.threshold = threshold
         self.name = f"threshold:{threshold:g}"
 
-    def _schedule(self, confidences: np.ndarray) -> torch.Tensor:
+    def _lengths(self, confidences: np.ndarray) -> torch.Tensor:
         return leading_at_least(confidences, self.threshold)

@@ -16,7 +16,7 @@ from dspark.validation import describe
 ENV_PREFIX = "DSPARK_"
 CONFIG_FILE_ENV = "DSPARK_CONFIG"
 # Engine settings live in the engine's own EngineConfig; None here means "the engine's default".
-ENGINE_FIELDS = (*SELECTION_FIELDS, "seed", "sps_profile", "strict_profile")
+ENGINE_FIELDS = (*SELECTION_FIELDS, "sps_profile", "strict_profile")
 
 
 class AutoscalingSettings(BaseModel):
@@ -46,7 +46,6 @@ class ServeConfig(BaseModel):
     max_num_seqs: int | None = Field(None, ge=1, description="Max concurrently running requests per replica.")
     max_model_len: int | None = Field(None, ge=16)
     max_batch_tokens: int | None = Field(None, ge=1)
-    seed: int | None = None
     strict_profile: bool | None = Field(None, description="Refuse to start without a matching profile.")
 
     # HTTP front end.

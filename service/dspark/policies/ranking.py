@@ -60,7 +60,7 @@ def _empty(confidences: torch.Tensor | np.ndarray) -> torch.Tensor | None:
     return torch.zeros(num_requests, dtype=torch.int64) if num_requests == 0 or gamma == 0 else None
 
 
-def schedule_prefix_greedy(confidences: torch.Tensor | np.ndarray, sps_fn: SpsFn) -> torch.Tensor:
+def prefix_greedy_lengths(confidences: torch.Tensor | np.ndarray, sps_fn: SpsFn) -> torch.Tensor:
     """Algorithm 1: admit ranked candidates while expected throughput Theta strictly rises.
 
     The early break makes it causal: whether candidate n is admitted depends only on the
@@ -74,7 +74,7 @@ def schedule_prefix_greedy(confidences: torch.Tensor | np.ndarray, sps_fn: SpsFn
     return _lengths(rows, taken, confidences.shape[0])
 
 
-def schedule_global_argmax(confidences: torch.Tensor | np.ndarray, sps_fn: SpsFn) -> torch.Tensor:
+def global_argmax_lengths(confidences: torch.Tensor | np.ndarray, sps_fn: SpsFn) -> torch.Tensor:
     """Admit the ranked prefix with the highest Theta, with no early break (first maximum wins).
 
     NOT lossless on the current step's confidences (it lets x[r, j] vote on its own admission

@@ -9,10 +9,10 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
-from dspark.policies.prefix_scheduler import (
+from dspark.policies.ranking import (
+    global_argmax_lengths,
     leading_at_least,
-    schedule_global_argmax,
-    schedule_prefix_greedy,
+    prefix_greedy_lengths,
     topk_survival,
 )
 from dspark.sps_format import SpsPoint, SpsProfile
@@ -72,7 +72,7 @@ def random_jagged_profile(rng: random.Random, max_b: int) -> SpsProfile:
 @pytest.mark.parametrize("early_break", [True, False])
 def test_matches_reference_loop_on_random_cases(early_break: bool) -> None:
     rng = random.Random(1234 + early_break)
-    scheduler = schedule_prefix_greedy if early_break else schedule_global_argmax
+    scheduler = prefix_greedy_lengths if early_break else global_argmax_lengths
     nontrivial = 0
     for _ in range(400):
         num_requests, gamma = rng.randint(1, 10), rng.randint(1, 8)
@@ -103,15 +103,15 @@ def test_early_break_stops_at_first_drop_where_global_search_goes_on() -> None:
     sps = {1: 1.0, 2: 0.5, 3: 0.45}
     fn = lambda b: np.array([sps[int(x)] for x in b])  # noqa: E731
     conf = torch.tensor([[0.8, 0.9]])
-    assert schedule_prefix_greedy(conf, fn).tolist() == [0]
-    assert schedule_global_argmax(conf, fn).tolist() == [2]
+    assert prefix_greedy_lengths(conf, fn).tolist() == [0]
+    assert global_argmax_lengths(conf, fn).tolist() == [2]
 
 
 def test_flat_sps_verifies_every_surviving_token() -> None:
     gen = torch.Generator().manual_seed(0)
     conf = torch.rand(16, 7, generator=gen).clamp_min(1e-3)
     conf[3, 4] = 0.0  # survival is zero from position 5 on
-    lengths = schedule_prefix_greedy(conf, np.ones_like)
+    lengths = prefix_greedy_lengths(conf, np.ones_like)
     expected = torch.full((16,), 7)
     expected[3] = 4
     assert lengths.tolist() == expected.tolist()
@@ -120,14 +120,14 @@ def test_flat_sps_verifies_every_surviving_token() -> None:
 def test_steep_sps_verifies_nothing() -> None:
     # SPS halves per extra token: no draft token can pay for itself.
     conf = torch.ones(8, 5)
-    lengths = schedule_prefix_greedy(conf, lambda b: 0.5**b)
+    lengths = prefix_greedy_lengths(conf, lambda b: 0.5**b)
     assert lengths.tolist() == [0] * 8
 
 
 def test_gamma_zero_and_no_requests() -> None:
     one = np.ones_like
-    assert schedule_prefix_greedy(torch.empty(3, 0), one).tolist() == [0, 0, 0]
-    assert schedule_global_argmax(torch.empty(0, 4), one).tolist() == []
+    assert prefix_greedy_lengths(torch.empty(3, 0), one).tolist() == [0, 0, 0]
+    assert global_argmax_lengths(torch.empty(0, 4), one).tolist() == []
     assert topk_survival(torch.empty(2, 0), 5).tolist() == [0, 0]
 
 
