@@ -40,7 +40,7 @@ def engine_from_config(config: EngineConfig) -> LLMEngine:
     sps = None
     if needs_profile(policy_spec):
         sps = acquire_profile(engine, config.sps_profile, config.strict_profile)
-    engine.policy = build_policy(policy_spec, sps=sps)
+    engine.policy = build_policy(policy_spec, sps=sps, settings=config.policy_settings)
     log.info(
         "engine: %s on %s (%s), drafter %s, policy %s",
         config.target,

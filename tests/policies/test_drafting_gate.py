@@ -213,9 +213,9 @@ def test_pool_keeps_the_newest_steps_covering_memory_rows_zero_padded() -> None:
     gate = DraftingGate(memory_rows=3)
     gate.remember(torch.tensor([[0.1, 0.2]], dtype=torch.float64))
     gate.remember(torch.tensor([[0.5], [0.6]], dtype=torch.float64))
-    assert gate.pool().tolist() == [[0.1, 0.2], [0.5, 0.0], [0.6, 0.0]]
+    assert gate._pool.tolist() == [[0.1, 0.2], [0.5, 0.0], [0.6, 0.0]]
     gate.remember(torch.tensor([[0.7], [0.8]], dtype=torch.float64))  # 4 newest rows cover 3
-    assert gate.pool().tolist() == [[0.5], [0.6], [0.7], [0.8]]
+    assert gate._pool.tolist() == [[0.5], [0.6], [0.7], [0.8]]
     # Updated step by step: always the newest steps covering memory_rows, padded to the widest.
     rng = torch.Generator().manual_seed(0)
     steps = [
@@ -229,7 +229,7 @@ def test_pool_keeps_the_newest_steps_covering_memory_rows_zero_padded() -> None:
             steps.pop(0)
         widest = max(c.shape[1] for c in steps)
         rebuilt = torch.cat([torch.nn.functional.pad(c, (0, widest - c.shape[1])) for c in steps])
-        assert gate.pool().tolist() == rebuilt.tolist()
+        assert gate._pool.tolist() == rebuilt.tolist()
 
 
 @pytest.mark.parametrize("make", [DSparkPolicy, DSparkAsyncPolicy])

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
-from dspark.engine.policy_spec import parse_policy
+from dspark.engine.config import EngineConfig
+from dspark.engine.policy_spec import PolicySettings, parse_policy
 from dspark.policies.dspark import DSparkAsyncPolicy, DSparkPolicy
 from dspark.policies.factory import build_policy
 from dspark.policies.sps_curve import OnlineSps
@@ -34,6 +37,37 @@ def test_dspark_policies_refine_a_profile_online_and_accept_a_refined_curve() ->
     assert isinstance(build_policy("dspark", sps=PROFILE).sps, OnlineSps)
     online = OnlineSps(PROFILE)
     assert build_policy("dspark-async", sps=online).sps is online
+
+
+def test_policy_settings_reach_every_part_of_the_dspark_policy() -> None:
+    settings = PolicySettings(
+        min_gain=0.05,
+        memory_rows=8,
+        explore_every=5,
+        reuse_steps=2,
+        draft_cost_alpha=0.5,
+        overhead_alpha=0.3,
+        acceptance_decay=0.9,
+        acceptance_prior_tokens=1.0,
+        sps_alpha=0.02,
+        sps_prior_weight=2.0,
+        sps_max_jump=3.0,
+        sps_refresh_every=4,
+        sps_drift_alpha=0.2,
+    )
+    policy = build_policy("dspark-async", sps=PROFILE, settings=settings)
+    gate, curve = policy.gate, policy.sps
+    assert (gate.min_gain, gate.memory_rows, gate.explore_every, gate.reuse_steps) == (0.05, 8, 5, 2)
+    assert gate.cost.alpha == 0.5 and policy.settings.overhead_alpha == 0.3
+    assert (policy.acceptance.decay, policy.acceptance.prior_tokens) == (0.9, 1.0)
+    assert (curve.alpha, curve.prior_weight, curve.refresh_every, curve.drift_alpha) == (0.02, 2.0, 4, 0.2)
+    assert curve.max_log_jump == pytest.approx(math.log(3.0))
+    # The defaults are the parts' own, and an engine configuration carries the settings.
+    default = build_policy("dspark", sps=PROFILE)
+    assert (default.gate.min_gain, default.gate.memory_rows, default.acceptance.decay) == (0.01, 64, 0.999)
+    assert EngineConfig(policy_settings={"min_gain": 0.05}).policy_settings.min_gain == 0.05
+    with pytest.raises(ValueError, match="min_gain"):
+        EngineConfig(policy_settings={"min_gain": -1})
 
 
 @pytest.mark.parametrize(

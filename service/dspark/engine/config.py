@@ -9,7 +9,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from dspark.engine.policy_spec import parse_policy
+from dspark.engine.policy_spec import PolicySettings, parse_policy
 from dspark.models.registry import DEFAULT_MODEL
 
 # The default drafter and policy: resolved when the engine loads, once the target and drafter are known.
@@ -43,6 +43,9 @@ class EngineConfig(BaseModel):
     )
     strict_profile: bool = Field(
         False, description="Refuse to start without a matching profile instead of profiling."
+    )
+    policy_settings: PolicySettings = Field(
+        default_factory=PolicySettings, description="Tuning constants of the DSpark policies."
     )
 
     @field_validator("policy")

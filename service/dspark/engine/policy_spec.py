@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+from pydantic import BaseModel, ConfigDict, Field
+
 POLICY_HELP = "none | static:K | full | threshold:X (0<X<1) | dspark | dspark-async"
 
 
@@ -30,3 +32,41 @@ def parse_policy(spec: str) -> tuple[str, int | float | None]:
             raise ValueError(f"policy 'threshold:X' needs a number 0 < X < 1, got {spec!r}")
         return name, x
     raise ValueError(f"unknown verify policy {spec!r}; expected one of: {POLICY_HELP}")
+
+
+class PolicySettings(BaseModel):
+    """Tuning constants of the DSpark policies (`dspark`, `dspark-async`); the defaults are the
+    measured ones (docs/scheduler.md). Carried by `EngineConfig.policy_settings`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # The drafting gate.
+    min_gain: float = Field(
+        0.01, ge=0, description="Drafting must promise this much more than plain decoding."
+    )
+    memory_rows: int = Field(
+        64, ge=1, description="Confidence rows of recent drafted steps the gate judges by."
+    )
+    explore_every: int = Field(32, ge=1, description="Skipped steps in a row before one drafts anyway.")
+    reuse_steps: int = Field(4, ge=1, description="Evaluations a horizon's expected rate is reused for.")
+    draft_cost_alpha: float = Field(0.2, gt=0, le=1, description="EWMA rate of measured drafting times.")
+    overhead_alpha: float = Field(
+        0.1, gt=0, le=1, description="EWMA rate of a step's time outside forward and drafting."
+    )
+    # The live acceptance scale.
+    acceptance_decay: float = Field(
+        0.999, gt=0, le=1, description="Forgetting per request round that verified."
+    )
+    acceptance_prior_tokens: float = Field(5.0, ge=0, description="Prior tokens at observed / predicted = 1.")
+    # Online refinement of the SPS profile.
+    sps_alpha: float = Field(0.01, gt=0, le=1, description="Slowest rate of the per-size corrections.")
+    sps_prior_weight: float = Field(
+        4.0, ge=0, description="Observations the profile counts as, per grid point."
+    )
+    sps_max_jump: float = Field(
+        2.0, gt=1, description="Largest factor one observation moves drift or a correction by."
+    )
+    sps_refresh_every: int = Field(8, ge=1, description="Observations between rebuilds of the lookup table.")
+    sps_drift_alpha: float = Field(
+        0.1, ge=0, le=1, description="EWMA rate of the drift shared by every size."
+    )

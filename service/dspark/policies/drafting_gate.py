@@ -37,9 +37,8 @@ class DraftCost:
     DSpark's backbone always runs whole, but its sequential head, and every EAGLE-3 step, scale
     with it."""
 
-    alpha = 0.2
-
-    def __init__(self) -> None:
+    def __init__(self, alpha: float = 0.2) -> None:
+        self.alpha = alpha
         self._seconds: dict[int, float] = {}
         self._by_horizon: dict[int, dict[int, float]] = {}  # R -> horizon -> seconds
 
@@ -125,9 +124,14 @@ class DraftingGate:
     """
 
     def __init__(
-        self, explore_every: int = 32, memory_rows: int = 64, min_gain: float = 0.01, reuse_steps: int = 4
+        self,
+        explore_every: int = 32,
+        memory_rows: int = 64,
+        min_gain: float = 0.01,
+        reuse_steps: int = 4,
+        cost_alpha: float = 0.2,
     ) -> None:
-        self.cost = DraftCost()
+        self.cost = DraftCost(cost_alpha)
         self.min_gain = min_gain
         self.explore_every = explore_every
         self.memory_rows = memory_rows

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from dspark.engine.outputs import StepStats
+from dspark.engine.policy_spec import PolicySettings
 from dspark.engine.verify_policy import Confidences
 from dspark.policies.acceptance_scale import AcceptanceScale
 from dspark.policies.confidence import ConfidencePolicy
@@ -17,10 +18,15 @@ from dspark.policies.sps_curve import OnlineSps, table_lookup
 from dspark.sps_format import SpsCurve, SpsProfile
 
 
-def as_sps_curve(sps: SpsProfile | OnlineSps | SpsCurve, refine: bool = True) -> SpsCurve:
+def as_sps_curve(
+    sps: SpsProfile | OnlineSps | SpsCurve, refine: bool = True, settings: PolicySettings | None = None
+) -> SpsCurve:
     """A profile becomes an `OnlineSps` (so measured step times refine it) unless refine=False."""
     if isinstance(sps, SpsProfile) and refine:
-        return OnlineSps(sps)
+        s = settings or PolicySettings()
+        return OnlineSps(
+            sps, s.sps_alpha, s.sps_prior_weight, s.sps_max_jump, s.sps_refresh_every, s.sps_drift_alpha
+        )
     if not hasattr(sps, "sps"):
         raise TypeError(f"expected an SPS profile or curve, got {type(sps).__name__}")
     return sps
@@ -46,15 +52,21 @@ class _SpsPolicy(ConfidencePolicy):
     gate skipped.
     """
 
-    overhead_alpha = 0.1
-
-    def __init__(self, sps: SpsProfile | OnlineSps | SpsCurve, refine: bool = True) -> None:
+    def __init__(
+        self,
+        sps: SpsProfile | OnlineSps | SpsCurve,
+        refine: bool = True,
+        settings: PolicySettings | None = None,
+    ) -> None:
         super().__init__()
-        self.sps = as_sps_curve(sps, refine)
+        s = self.settings = settings or PolicySettings()
+        self.sps = as_sps_curve(sps, refine, s)
         self.other_s = 0.0
         self.plain_other_s: float | None = None  # until an undrafted step is measured
-        self.gate = DraftingGate()
-        self.acceptance = AcceptanceScale()
+        self.gate = DraftingGate(
+            s.explore_every, s.memory_rows, s.min_gain, s.reuse_steps, s.draft_cost_alpha
+        )
+        self.acceptance = AcceptanceScale(s.acceptance_decay, s.acceptance_prior_tokens)
         self._forward_sps = table_lookup(self.sps)
         if isinstance(self.sps, OnlineSps):
             lookup, curve = self._forward_sps, self.sps
@@ -111,9 +123,9 @@ class _SpsPolicy(ConfidencePolicy):
         if stats.num_prefill_tokens or other_s < 0:  # prefills add their own cache commits
             return
         if stats.drafted:
-            self.other_s = ewma(self.other_s, other_s, self.overhead_alpha)
+            self.other_s = ewma(self.other_s, other_s, self.settings.overhead_alpha)
         else:
-            self.plain_other_s = ewma(self.plain_other_s, other_s, self.overhead_alpha)
+            self.plain_other_s = ewma(self.plain_other_s, other_s, self.settings.overhead_alpha)
 
     def _on_skip(self) -> None:
         """This step does not draft (stateful policies record the gap)."""
@@ -148,8 +160,13 @@ class DSparkAsyncPolicy(_SpsPolicy):
     name = "dspark-async"
     lag = 2
 
-    def __init__(self, sps: SpsProfile | OnlineSps | SpsCurve, refine: bool = True) -> None:
-        super().__init__(sps, refine)
+    def __init__(
+        self,
+        sps: SpsProfile | OnlineSps | SpsCurve,
+        refine: bool = True,
+        settings: PolicySettings | None = None,
+    ) -> None:
+        super().__init__(sps, refine, settings)
         self._targets: deque[int | None] = deque(maxlen=self.lag)
         self.warmup_steps = 0
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dspark.engine.config import AUTO
 from dspark.engine.drafter import Drafter
-from dspark.engine.policy_spec import parse_policy
+from dspark.engine.policy_spec import PolicySettings, parse_policy
 from dspark.engine.verify_policy import VerifyPolicy
 from dspark.policies.dspark import DSparkAsyncPolicy, DSparkPolicy
 from dspark.policies.sps_curve import OnlineSps
@@ -27,7 +27,9 @@ def resolve_policy_spec(spec: str, drafter: Drafter) -> str:
     return FALLBACK_POLICY if drafter.gamma > 0 else "none"
 
 
-def build_policy(spec: str, sps: SpsProfile | OnlineSps | None = None) -> VerifyPolicy:
+def build_policy(
+    spec: str, sps: SpsProfile | OnlineSps | None = None, settings: PolicySettings | None = None
+) -> VerifyPolicy:
     """`sps` is the engine's step-rate profile; required by `dspark` and `dspark-async`, which
     wrap a plain profile in `OnlineSps` so the engine's step timings refine it."""
     name, arg = parse_policy(spec)
@@ -40,4 +42,4 @@ def build_policy(spec: str, sps: SpsProfile | OnlineSps | None = None) -> Verify
             f"policy {name!r} needs an SPS profile of this engine (steps per second against batch "
             "tokens); profile the engine first or choose a policy that needs none"
         )
-    return DSparkPolicy(sps) if name == "dspark" else DSparkAsyncPolicy(sps)
+    return (DSparkPolicy if name == "dspark" else DSparkAsyncPolicy)(sps, settings=settings)
