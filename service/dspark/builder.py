@@ -11,11 +11,12 @@ from dspark.drafters.factory import load_drafter, resolve_drafter_spec
 from dspark.engine.config import EngineConfig, resolve_device, resolve_dtype
 from dspark.engine.drafter import Drafter
 from dspark.engine.llm_engine import LLMEngine
+from dspark.engine.policy_spec import needs_profile
 from dspark.engine.verify_policy import VerifyPolicy
 from dspark.models.loader import load_target_model
 from dspark.models.pull import resolve_target
 from dspark.policies.factory import build_policy, resolve_policy_spec
-from dspark.profiling.acquire import acquire_profile, needs_profile
+from dspark.profiling.acquire import acquire_profile
 
 log = logging.getLogger(__name__)
 

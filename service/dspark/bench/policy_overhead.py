@@ -13,10 +13,16 @@ import click
 import torch
 
 from dspark.engine.outputs import StepStats
+from dspark.engine.policy_spec import PolicyName
 from dspark.policies.factory import build_policy
 from dspark.profiling.synthetic import synthetic_profile
 
-POLICIES = ("none", "static:4", "full", "threshold:0.5", "dspark", "dspark-async")
+POLICIES = tuple(
+    {PolicyName.STATIC: f"{PolicyName.STATIC}:4", PolicyName.THRESHOLD: f"{PolicyName.THRESHOLD}:0.5"}.get(
+        n, n
+    )
+    for n in PolicyName
+)
 
 
 def median_schedule_us(spec: str, requests: int, gamma: int, repeats: int, seed: int = 0) -> float:

@@ -13,6 +13,7 @@ from dspark.bench.oracle import ORACLE, OracleEngine
 from dspark.builder import sibling_engine
 from dspark.drafters.ngram import NoDrafter
 from dspark.engine.llm_engine import LLMEngine
+from dspark.engine.policy_spec import PROFILED_POLICIES, PolicyName
 from dspark.engine.request import Request
 from dspark.engine.sampling_params import SamplingParams
 from dspark.policies.factory import build_policy
@@ -313,7 +314,7 @@ def summarize(points: list[LoadPoint], baseline: str = "static:1") -> dict:
     for p in points:
         by_level.setdefault(p.concurrency, {})[p.policy] = p
     names = {p.policy for p in points}
-    fixed = [n for n in names if n.startswith("static") or n in ("full", "none")]
+    fixed = [n for n in names if n.startswith(PolicyName.STATIC) or n in (PolicyName.FULL, PolicyName.NONE)]
     twins = sorted(n for n in names if TWIN in n)
     rows = []
     for c, level in sorted(by_level.items()):
@@ -321,7 +322,7 @@ def summarize(points: list[LoadPoint], baseline: str = "static:1") -> dict:
             (level[n] for n in fixed if n in level), key=lambda p: p.aggregate_tokens_per_s, default=None
         )
         row = {"concurrency": c, "best_fixed": best_fixed.policy if best_fixed else None}
-        for name in ("dspark", "dspark-async", ORACLE):
+        for name in (*PROFILED_POLICIES, ORACLE):
             if name in level and best_fixed:
                 row[f"{name}_vs_best_fixed"] = (
                     level[name].aggregate_tokens_per_s / best_fixed.aggregate_tokens_per_s

@@ -140,10 +140,10 @@ def serve_bench(
         summarize,
     )
     from dspark.commands.options import build_engine
-    from dspark.engine.policy_spec import parse_policy
+    from dspark.engine.policy_spec import needs_profile, parse_policy
     from dspark.engine.prompt import encode_prompt
     from dspark.engine.sampling_params import SamplingParams
-    from dspark.profiling.acquire import acquire_profile, needs_profile
+    from dspark.profiling.acquire import acquire_profile
     from dspark.prompts.builtin import BUILTIN_PROMPTS
 
     levels = sorted({int(c) for c in concurrency.split(",")})

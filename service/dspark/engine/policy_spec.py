@@ -3,19 +3,41 @@
 from __future__ import annotations
 
 import math
+from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field
 
-POLICY_HELP = "none | static:K | full | threshold:X (0<X<1) | dspark | dspark-async"
+
+class PolicyName(StrEnum):
+    """Every verify-length policy's name, spelled here once."""
+
+    NONE = "none"
+    STATIC = "static"
+    FULL = "full"
+    THRESHOLD = "threshold"
+    DSPARK = "dspark"
+    DSPARK_ASYNC = "dspark-async"
 
 
-def parse_policy(spec: str) -> tuple[str, int | float | None]:
+# The policies that schedule against this engine's SPS profile.
+PROFILED_POLICIES = (PolicyName.DSPARK, PolicyName.DSPARK_ASYNC)
+POLICY_HELP = " | ".join(
+    {
+        PolicyName.STATIC: f"{PolicyName.STATIC}:K",
+        PolicyName.THRESHOLD: f"{PolicyName.THRESHOLD}:X (0<X<1)",
+    }.get(name, name)
+    for name in PolicyName
+)
+
+
+def parse_policy(spec: str) -> tuple[PolicyName, int | float | None]:
     """(name, argument) of a policy spelling, refused with the accepted spellings when malformed;
     needs no profile, so a command can check its policies before it loads a model."""
-    name, _, arg = spec.strip().partition(":")
-    if name in ("none", "full", "dspark", "dspark-async") and not arg:
+    text, _, arg = spec.strip().partition(":")
+    name = PolicyName(text) if text in PolicyName._value2member_map_ else None
+    if name in (PolicyName.NONE, PolicyName.FULL, *PROFILED_POLICIES) and not arg:
         return name, None
-    if name == "static":
+    if name == PolicyName.STATIC:
         try:
             k = int(arg)
         except ValueError:
@@ -23,7 +45,7 @@ def parse_policy(spec: str) -> tuple[str, int | float | None]:
         if k < 0:
             raise ValueError(f"policy 'static:K' needs an integer K >= 0, got {spec!r}")
         return name, k
-    if name == "threshold":
+    if name == PolicyName.THRESHOLD:
         try:
             x = float(arg)
         except ValueError:
@@ -32,6 +54,11 @@ def parse_policy(spec: str) -> tuple[str, int | float | None]:
             raise ValueError(f"policy 'threshold:X' needs a number 0 < X < 1, got {spec!r}")
         return name, x
     raise ValueError(f"unknown verify policy {spec!r}; expected one of: {POLICY_HELP}")
+
+
+def needs_profile(spec: str) -> bool:
+    """Whether the policy spelled `spec` needs this engine's SPS profile."""
+    return spec.strip() in PROFILED_POLICIES
 
 
 class PolicySettings(BaseModel):

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from dspark.engine.outputs import StepStats
-from dspark.engine.policy_spec import PolicySettings
+from dspark.engine.policy_spec import PolicyName, PolicySettings
 from dspark.engine.verify_policy import Confidences
 from dspark.policies.acceptance_scale import AcceptanceScale
 from dspark.policies.confidence import ConfidencePolicy
@@ -134,7 +134,7 @@ class _SpsPolicy(ConfidencePolicy):
 class DSparkPolicy(_SpsPolicy):
     """Algorithm 1: the greedy prefix scheduler with early break, on this step's confidences."""
 
-    name = "dspark"
+    name = PolicyName.DSPARK
 
     def _lengths(self, confidences: np.ndarray) -> torch.Tensor:
         return prefix_greedy_lengths(confidences, self._step_rate(confidences))
@@ -157,7 +157,7 @@ class DSparkAsyncPolicy(_SpsPolicy):
     which is also lossless; `warmup_steps` counts those.
     """
 
-    name = "dspark-async"
+    name = PolicyName.DSPARK_ASYNC
     lag = 2
 
     def __init__(

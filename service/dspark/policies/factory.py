@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dspark.engine.config import AUTO
 from dspark.engine.drafter import Drafter
-from dspark.engine.policy_spec import PolicySettings, parse_policy
+from dspark.engine.policy_spec import PolicyName, PolicySettings, parse_policy
 from dspark.engine.verify_policy import VerifyPolicy
 from dspark.policies.dspark import DSparkAsyncPolicy, DSparkPolicy
 from dspark.policies.sps_curve import OnlineSps
@@ -13,8 +13,8 @@ from dspark.policies.threshold import ThresholdPolicy
 from dspark.sps_format import SpsProfile
 
 # `auto` for a drafter without confidences (n-gram lookup, DFlash, EAGLE-3).
-FALLBACK_POLICY = "static:4"
-AUTO_POLICY_HELP = f"auto (dspark for a drafter with a confidence head, else {FALLBACK_POLICY})"
+FALLBACK_POLICY = f"{PolicyName.STATIC}:4"
+AUTO_POLICY_HELP = f"auto ({PolicyName.DSPARK} for a drafter with a confidence head, else {FALLBACK_POLICY})"
 
 
 def resolve_policy_spec(spec: str, drafter: Drafter) -> str:
@@ -23,8 +23,8 @@ def resolve_policy_spec(spec: str, drafter: Drafter) -> str:
     if spec.strip() != AUTO:
         return spec
     if drafter.gives_confidences:
-        return "dspark"
-    return FALLBACK_POLICY if drafter.gamma > 0 else "none"
+        return PolicyName.DSPARK
+    return FALLBACK_POLICY if drafter.gamma > 0 else PolicyName.NONE
 
 
 def build_policy(
@@ -33,13 +33,13 @@ def build_policy(
     """`sps` is the engine's step-rate profile; required by `dspark` and `dspark-async`, which
     wrap a plain profile in `OnlineSps` so the engine's step timings refine it."""
     name, arg = parse_policy(spec)
-    if name in ("none", "full", "static"):
-        return StaticPolicy({"none": 0, "full": None}.get(name, arg))
-    if name == "threshold":
+    if name in (PolicyName.NONE, PolicyName.FULL, PolicyName.STATIC):
+        return StaticPolicy({PolicyName.NONE: 0, PolicyName.FULL: None}.get(name, arg))
+    if name == PolicyName.THRESHOLD:
         return ThresholdPolicy(arg)
     if sps is None:
         raise ValueError(
-            f"policy {name!r} needs an SPS profile of this engine (steps per second against batch "
+            f"policy '{name}' needs an SPS profile of this engine (steps per second against batch "
             "tokens); profile the engine first or choose a policy that needs none"
         )
-    return (DSparkPolicy if name == "dspark" else DSparkAsyncPolicy)(sps, settings=settings)
+    return (DSparkPolicy if name == PolicyName.DSPARK else DSparkAsyncPolicy)(sps, settings=settings)

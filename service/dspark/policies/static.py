@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from dspark.engine.policy_spec import PolicyName
 from dspark.engine.verify_policy import Confidences, VerifyPolicy
 
 
@@ -14,7 +15,13 @@ class StaticPolicy(VerifyPolicy):
         if length is not None and length < 0:
             raise ValueError(f"static verify length must be >= 0, got {length}")
         self.length = length
-        self.name = "full" if length is None else ("none" if length == 0 else f"static:{length}")
+        self.name = (
+            PolicyName.FULL
+            if length is None
+            else PolicyName.NONE
+            if length == 0
+            else f"{PolicyName.STATIC}:{length}"
+        )
 
     def max_length(self, gamma: int, num_requests: int = 1) -> int:
         return gamma if self.length is None else min(self.length, gamma)

@@ -15,12 +15,6 @@ from dspark.sps_format import ProfileError, SpsProfile
 
 log = logging.getLogger(__name__)
 
-PROFILED_POLICIES = ("dspark", "dspark-async")
-
-
-def needs_profile(policy_spec: str) -> bool:
-    return policy_spec.strip() in PROFILED_POLICIES
-
 
 def engine_identity(engine) -> tuple[str, str, str]:
     """(model, dtype, device) as a profile records them."""
