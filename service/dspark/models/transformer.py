@@ -148,7 +148,6 @@ class DecoderLayer(nn.Module):
 class ForwardOutput:
     logits: torch.Tensor  # [N, V] float32 for batch.logit_rows
     layer_hidden: torch.Tensor | None  # [T, m * hidden]: outputs of the requested decoder layers
-    final_hidden: torch.Tensor | None  # [N, hidden]: after the final norm, for batch.logit_rows
 
 
 class _Backbone(nn.Module):
@@ -176,7 +175,6 @@ class DecoderModel(nn.Module):
         batch: ForwardBatch,
         cache: KVCache,
         hidden_layers: tuple[int, ...] = (),
-        return_final_hidden: bool = False,
     ) -> ForwardOutput:
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(batch.positions, x.dtype)
@@ -191,5 +189,4 @@ class DecoderModel(nn.Module):
         return ForwardOutput(
             logits=logits,
             layer_hidden=torch.cat(captured, dim=-1) if captured else None,
-            final_hidden=final if return_final_hidden else None,
         )
