@@ -8,6 +8,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dspark.engine.outputs import StepStats
+
 
 class AcceptanceScale:
     """Per position k: draft tokens accepted at k over the survival the confidences predicted at
@@ -46,6 +48,12 @@ class AcceptanceScale:
         self._predicted[: len(predicted)] += predicted
         counts = np.asarray(list(accepted)[: len(predicted)], dtype=np.float64)
         self._accepted[: counts.size] += counts
+
+    def update(self, stats: StepStats) -> None:
+        """Learn from a drafted step: predicted survival and accepted tokens per position."""
+        if stats.drafted:
+            rounds = sum(1 for budget in stats.verify_budgets if budget > 0)
+            self.observe(stats.predicted_per_position, stats.accepted_per_position, rounds)
 
     def factors(self, width: int) -> np.ndarray:
         """[width] observed / predicted survival per position (1 where nothing was verified)."""

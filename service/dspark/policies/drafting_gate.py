@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dspark.engine.outputs import StepStats
 from dspark.engine.survival import host_array
 from dspark.policies.ranking import SpsFn, early_stop, expected_throughputs, ranked_candidates
 
@@ -145,6 +146,11 @@ class DraftingGate:
         self._exploration: dict[int, _Exploration] = {}
         self._burst_left = 0
         self.skipped_steps = 0
+
+    def update(self, stats: StepStats, drift: float) -> None:
+        """Learn a drafted step's drafting time (in drift-free units) for its R and horizon."""
+        if stats.drafted:
+            self.cost.observe(len(stats.verify_budgets), stats.draft_time_s / drift, stats.draft_horizon)
 
     def remember(self, confidences: np.ndarray | torch.Tensor) -> None:
         """Finite confidences [R, w] of a step that drafted."""

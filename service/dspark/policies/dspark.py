@@ -1,4 +1,7 @@
-"""DSpark's hardware-aware verify-length policies (paper section 3.2.2 and 5.2)."""
+"""DSpark's hardware-aware verify-length policy (paper sections 3.2.2 and 5.2), built from parts:
+a ranking (Algorithm 1, or the asynchronous split), the drafting gate, the live acceptance scale,
+the online SPS refinement and the step's costs outside the forward. Each part learns from the
+engine's step statistics in its own `update()`; the policy only wires them together."""
 
 from __future__ import annotations
 
@@ -32,18 +35,85 @@ def as_sps_curve(
     return sps
 
 
-class _SpsPolicy(ConfidencePolicy):
-    """Schedules against the rate of whole engine steps: 1 / (other + draft(R) + 1 / SPS(B)).
+class StepCosts:
+    """A decode step's seconds besides its forward and drafting (acceptance, cache commits), as
+    EWMAs in drift-free units: `other_s` over drafted steps, `plain_other_s` over undrafted ones
+    (None until one is measured). Drafted steps accept more; charging that to plain decoding
+    biased the gate towards drafting."""
+
+    def __init__(self, alpha: float) -> None:
+        self.alpha = alpha
+        self.other_s = 0.0
+        self.plain_other_s: float | None = None
+
+    def update(self, stats: StepStats, drift: float) -> None:
+        other_s = (stats.step_time_s - stats.forward_time_s - stats.draft_time_s) / drift
+        if stats.num_prefill_tokens or other_s < 0:  # prefills add their own cache commits
+            return
+        if stats.drafted:
+            self.other_s = ewma(self.other_s, other_s, self.alpha)
+        else:
+            self.plain_other_s = ewma(self.plain_other_s, other_s, self.alpha)
+
+
+class Algorithm1:
+    """The greedy prefix ranking with early break, on this step's confidences."""
+
+    warmup_steps = 0
+
+    def lengths(self, confidences: np.ndarray, step_rate: SpsFn) -> torch.Tensor:
+        return prefix_greedy_lengths(confidences, step_rate)
+
+    def skip(self) -> None:
+        """A step without usable confidences or without drafting: nothing to remember."""
+
+
+class AsyncSplit:
+    """Capacity from two steps ago, top-K of the current survival.
+
+    Step t's capacity comes from a global argmax of Theta (no early break, so it sees past
+    jagged SPS cliffs) over step t-2's confidences; it is kept as the target batch size
+    B* = R_{t-2} + K_{t-2}. Step t then verifies the K = max(0, B* - R_t) ranked candidates of
+    its own confidences with the highest survival. Lossless: K depends only on earlier steps
+    and on R_t (both fixed before this step's tokens are drawn), and a token's rank depends
+    only on survival values ranked above it, which its own value never shapes.
+
+    Keeping B* rather than K means requests joining or leaving keep the batch at the size the
+    search chose (the same side of a cliff); a sudden jump in R can leave K = 0 for two steps.
+    While fewer than two earlier steps have confidences (the first two steps, or two steps
+    after a skipped or fallback step), the step is ranked by Algorithm 1 on its own confidences,
+    which is also lossless; `warmup_steps` counts those.
+    """
+
+    lag = 2
+
+    def __init__(self) -> None:
+        self._targets: deque[int | None] = deque(maxlen=self.lag)
+        self.warmup_steps = 0
+
+    def lengths(self, confidences: np.ndarray, step_rate: SpsFn) -> torch.Tensor:
+        num_requests = confidences.shape[0]
+        target = self._targets[0] if len(self._targets) == self.lag else None
+        # The capacity this step hands to step t+2 (computed now, consumed later: ZOS-friendly).
+        self._targets.append(num_requests + int(global_argmax_lengths(confidences, step_rate).sum()))
+        if target is None:
+            self.warmup_steps += 1
+            return prefix_greedy_lengths(confidences, step_rate)
+        return topk_survival(confidences, max(0, target - num_requests))
+
+    def skip(self) -> None:
+        self._targets.append(None)
+
+
+class DSparkPolicy(ConfidencePolicy):
+    """Ranks against the rate of whole engine steps: 1 / (other + draft(R, h) + 1 / SPS(B)).
 
     The profile times the verification forward alone, but a step that drafts also pays for
     drafting and acceptance, costs that do not depend on the verify lengths chosen; leaving them
-    out overstates the relative cost of extra verification (on the CPU the SmolLM2 DSpark drafter
-    takes a quarter to half as long as the forward). `other_s` is an EWMA of (step - forward -
-    drafting) over drafted steps, `plain_other_s` the same over undrafted ones, draft(R) the
-    gate's measured drafting time; confidences are rescaled by the observed / predicted
-    acceptance of earlier steps (`AcceptanceScale`). All come from earlier steps only, so
-    schedules stay lossless; the same figures let the `DraftingGate` skip drafting on steps
-    that are faster without it.
+    out overstates the relative cost of extra verification. Confidences are rescaled by the
+    observed / predicted acceptance of earlier steps (`AcceptanceScale`), and the `DraftingGate`
+    skips drafting on steps expected to be faster without it. Everything comes from earlier
+    steps only, so verify lengths stay lossless.
 
     Decisions run in drift-free time units: measured times are divided by the SPS curve's drift
     (`OnlineSps.drift`) when observed, and forward rates from the curve multiplied by it when
@@ -52,49 +122,59 @@ class _SpsPolicy(ConfidencePolicy):
     gate skipped.
     """
 
+    name = PolicyName.DSPARK
+
     def __init__(
         self,
         sps: SpsProfile | OnlineSps | SpsCurve,
         refine: bool = True,
         settings: PolicySettings | None = None,
+        ranking: Algorithm1 | AsyncSplit | None = None,
     ) -> None:
         super().__init__()
         s = self.settings = settings or PolicySettings()
         self.sps = as_sps_curve(sps, refine, s)
-        self.other_s = 0.0
-        self.plain_other_s: float | None = None  # until an undrafted step is measured
+        self.costs = StepCosts(s.overhead_alpha)
         self.gate = DraftingGate(
             s.explore_every, s.memory_rows, s.min_gain, s.reuse_steps, s.draft_cost_alpha
         )
         self.acceptance = AcceptanceScale(s.acceptance_decay, s.acceptance_prior_tokens)
+        self.ranking = ranking or Algorithm1()
         self._forward_sps = table_lookup(self.sps)
         if isinstance(self.sps, OnlineSps):
             lookup, curve = self._forward_sps, self.sps
             self._forward_sps = lambda b: lookup(b) * curve.drift()
         self._longest: int | None = None  # longest verify length of the previous drafted step
 
-    def _step_rate(self, confidences: np.ndarray) -> SpsFn:
-        """Whole-step rate for a step drafting like `confidences` [R, gamma] (drafting cost at R, gamma)."""
-        num_requests, gamma = confidences.shape
-        fixed_s = self.other_s + (self.gate.cost.seconds(num_requests, gamma) or 0.0)
-        return lambda b: 1.0 / (fixed_s + 1.0 / self._forward_sps(b))
+    @property
+    def other_s(self) -> float:
+        return self.costs.other_s
+
+    @property
+    def plain_other_s(self) -> float | None:
+        return self.costs.plain_other_s
+
+    @plain_other_s.setter
+    def plain_other_s(self, seconds: float | None) -> None:
+        self.costs.plain_other_s = seconds
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.ranking.warmup_steps
 
     def max_length(self, gamma: int, num_requests: int = 1) -> int:
         """0 when the gate finds this step faster without drafting; else the horizon h or h - 1,
         whichever the gate expects to be faster, where h is one past the previous step's longest
-        verify length (all of gamma at first): drafting what the scheduler will not verify only
-        costs time, so the horizon can grow by one per step and shrink when its last position
-        does not pay for itself. Both depend on earlier steps only, so schedules stay lossless."""
+        verify length (all of gamma at first): drafting what will not be verified only costs
+        time, so the horizon can grow by one per step and shrink when its last position does not
+        pay for itself. Both depend on earlier steps only, so verify lengths stay lossless."""
         widest = gamma if self._longest is None else min(gamma, self._longest + 1)
+        horizons = range(max(1, widest - 1), widest + 1)
         horizon = self.gate.draft_horizon(
-            num_requests,
-            self._forward_sps,
-            self.other_s,
-            self.plain_other_s,
-            range(max(1, widest - 1), widest + 1),
+            num_requests, self._forward_sps, self.other_s, self.plain_other_s, horizons
         )
         if not horizon:
-            self._on_skip()
+            self.ranking.skip()
         return horizon
 
     def verify_lengths(self, confidences: Confidences, gamma: int, num_requests: int) -> torch.Tensor:
@@ -108,57 +188,28 @@ class _SpsPolicy(ConfidencePolicy):
         self.gate.remember(confidences)
         return confidences
 
+    def _lengths(self, confidences: np.ndarray) -> torch.Tensor:
+        num_requests, gamma = confidences.shape
+        fixed_s = self.other_s + (self.gate.cost.seconds(num_requests, gamma) or 0.0)
+        return self.ranking.lengths(confidences, lambda b: 1.0 / (fixed_s + 1.0 / self._forward_sps(b)))
+
+    def _on_fallback(self) -> None:
+        self.ranking.skip()
+
     def observe_step(self, stats: StepStats) -> None:
         if not isinstance(self.sps, OnlineSps):  # a fixed curve (refine=False) learns nothing
             return
-        # The forward also carried this step's prefill chunks: time it against all its tokens
-        # (timing it against the decode tokens alone taught small B the prefill's cost).
-        self.sps.observe(stats.verify_batch_tokens + stats.num_prefill_tokens, stats.forward_time_s)
+        self.sps.update(stats)
         drift = self.sps.drift()
-        if stats.drafted:
-            self.gate.cost.observe(len(stats.verify_budgets), stats.draft_time_s / drift, stats.draft_horizon)
-            rounds = sum(1 for budget in stats.verify_budgets if budget > 0)
-            self.acceptance.observe(stats.predicted_per_position, stats.accepted_per_position, rounds)
-        other_s = (stats.step_time_s - stats.forward_time_s - stats.draft_time_s) / drift
-        if stats.num_prefill_tokens or other_s < 0:  # prefills add their own cache commits
-            return
-        if stats.drafted:
-            self.other_s = ewma(self.other_s, other_s, self.settings.overhead_alpha)
-        else:
-            self.plain_other_s = ewma(self.plain_other_s, other_s, self.settings.overhead_alpha)
-
-    def _on_skip(self) -> None:
-        """This step does not draft (stateful policies record the gap)."""
+        self.gate.update(stats, drift)
+        self.acceptance.update(stats)
+        self.costs.update(stats, drift)
 
 
-class DSparkPolicy(_SpsPolicy):
-    """Algorithm 1: the greedy prefix scheduler with early break, on this step's confidences."""
-
-    name = PolicyName.DSPARK
-
-    def _lengths(self, confidences: np.ndarray) -> torch.Tensor:
-        return prefix_greedy_lengths(confidences, self._step_rate(confidences))
-
-
-class DSparkAsyncPolicy(_SpsPolicy):
-    """The production variant: capacity from two steps ago, top-K of the current survival.
-
-    Step t's capacity comes from a global argmax of Theta (no early break, so it sees past
-    jagged SPS cliffs) over step t-2's confidences; it is kept as the target batch size
-    B* = R_{t-2} + K_{t-2}. Step t then verifies the K = max(0, B* - R_t) ranked candidates of
-    its own confidences with the highest survival. Lossless: K depends only on earlier steps
-    and on R_t (both fixed before this step's tokens are drawn), and a token's rank depends
-    only on survival values ranked above it, which its own value never shapes.
-
-    Keeping B* rather than K means requests joining or leaving keep the batch at the size the
-    search chose (the same side of a cliff); a sudden jump in R can leave K = 0 for two steps.
-    While fewer than two earlier steps have confidences (the first two steps, or two steps
-    after a fallback step), the step is scheduled by Algorithm 1 on its own confidences,
-    which is also lossless; `warmup_steps` counts those.
-    """
+class DSparkAsyncPolicy(DSparkPolicy):
+    """The production variant: DSpark with the asynchronous split as its ranking (`AsyncSplit`)."""
 
     name = PolicyName.DSPARK_ASYNC
-    lag = 2
 
     def __init__(
         self,
@@ -166,21 +217,4 @@ class DSparkAsyncPolicy(_SpsPolicy):
         refine: bool = True,
         settings: PolicySettings | None = None,
     ) -> None:
-        super().__init__(sps, refine, settings)
-        self._targets: deque[int | None] = deque(maxlen=self.lag)
-        self.warmup_steps = 0
-
-    def _lengths(self, confidences: np.ndarray) -> torch.Tensor:
-        num_requests, step_rate = confidences.shape[0], self._step_rate(confidences)
-        target = self._targets[0] if len(self._targets) == self.lag else None
-        # The capacity this step hands to step t+2 (computed now, consumed later: ZOS-friendly).
-        self._targets.append(num_requests + int(global_argmax_lengths(confidences, step_rate).sum()))
-        if target is None:
-            self.warmup_steps += 1
-            return prefix_greedy_lengths(confidences, step_rate)
-        return topk_survival(confidences, max(0, target - num_requests))
-
-    def _on_fallback(self) -> None:
-        self._targets.append(None)
-
-    _on_skip = _on_fallback
+        super().__init__(sps, refine, settings, AsyncSplit())

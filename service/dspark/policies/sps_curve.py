@@ -16,6 +16,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from dspark.engine.outputs import StepStats
 from dspark.sps_format import SpsCurve, SpsPoint, SpsProfile, interp_flat, sps_of_array_or_float
 
 
@@ -96,6 +97,11 @@ class OnlineSps:
         self._log_corr_t = None
         self.observations += 1
         self._table_age += 1
+
+    def update(self, stats: StepStats) -> None:
+        """Observe a step's forward. It also carried the step's prefill chunks: time it against all
+        its tokens (timing it against the decode tokens alone taught small B the prefill's cost)."""
+        self.observe(stats.verify_batch_tokens + stats.num_prefill_tokens, stats.forward_time_s)
 
     def _prior_rate(self, batch_tokens: int) -> float:
         """The prior's SPS at an integer B, from a cached list: its scalar lookup builds tensors,
