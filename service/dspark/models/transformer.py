@@ -53,8 +53,11 @@ class Attention(nn.Module):
         q, k = apply_rotary(qk, cos, sin).split([heads, kv_heads], 1)
 
         k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
-        k_cache[batch.token_slots, :, batch.positions] = k
-        v_cache[batch.token_slots, :, batch.positions] = v
+        # Indexed as [slot, position] over a transposed view: `cache[slots, :, positions] = k` (indices
+        # around the head axis) is about 6x slower on the CPU, and the same one kernel on a GPU.
+        where = (batch.token_slots, batch.positions)
+        k_cache.transpose(1, 2).index_put_(where, k)
+        v_cache.transpose(1, 2).index_put_(where, v)
 
         if batch.short is not None and batch.short.covers_all:
             return self.o_proj(_attend_short(q, k_cache, v_cache, batch.short).reshape(t, -1))

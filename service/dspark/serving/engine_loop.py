@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -232,7 +233,11 @@ class AsyncEngineClient:
 
 
 class RequestStream:
-    """Outputs of one request, pushed from the engine thread, consumed on the event loop."""
+    """Outputs of one request, pushed from the engine thread, consumed on the event loop.
+
+    A consumer that falls behind gets what queued up in one merged output: one frame for several
+    steps' tokens instead of one per step, so a busy event loop catches up instead of lagging more.
+    """
 
     def __init__(self, request_id: str, aloop: asyncio.AbstractEventLoop):
         self.request_id = request_id
@@ -251,6 +256,24 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        out = await self._queue.get()
+        outs = [await self._queue.get()]
+        while not outs[-1].finished and not self._queue.empty():
+            outs.append(self._queue.get_nowait())
+        out = merge_outputs(outs)
         self.finished = out.finished
         return out
+
+
+def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive deltas of one request as one delta (the last one's status and counts)."""
+    if len(outs) == 1:
+        return outs[0]
+    logprobs = None
+    if any(o.logprobs is not None for o in outs):
+        logprobs = [lp for o in outs for lp in o.logprobs or []]
+    return dataclasses.replace(
+        outs[-1],
+        new_token_ids=[t for o in outs for t in o.new_token_ids],
+        new_text="".join(o.new_text for o in outs),
+        logprobs=logprobs,
+    )

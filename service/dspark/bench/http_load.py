@@ -1,0 +1,125 @@
+"""A closed-loop HTTP client for OpenAI-compatible servers: `users` streams in flight until `requests` finish.
+
+Every server is measured the same way (streamed chat completions, greedy, the same prompts in the
+same order), so figures of different servers are comparable. Token counts come from each stream's
+final `usage` chunk, not from counting chunks: a speculative server sends several tokens a chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import httpx
+
+
+@dataclass
+class RequestTiming:
+    output_tokens: int
+    latency_s: float
+    ttft_s: float
+
+
+@dataclass
+class LevelResult:
+    """One closed-loop level against one server."""
+
+    users: int
+    requests: int
+    output_tokens: int
+    seconds: float
+    aggregate_tokens_per_s: float
+    per_user_p50: float  # a request's output tokens over its latency, median over requests
+    ttft_p50_s: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+async def _one_request(client: httpx.AsyncClient, url: str, body: dict) -> RequestTiming:
+    start = time.perf_counter()
+    first = None
+    tokens = None
+    async with client.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            detail = (await response.aread()).decode(errors="replace")[:300]
+            raise RuntimeError(f"{url} answered {response.status_code}: {detail}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if first is None and any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                first = time.perf_counter()
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    end = time.perf_counter()
+    if tokens is None:
+        raise RuntimeError(f"{url}: the stream ended without a usage chunk")
+    return RequestTiming(tokens, end - start, (first or end) - start)
+
+
+async def _closed_loop(
+    base_url: str, model: str, prompts: list[str], users: int, requests: int, max_tokens: int
+) -> LevelResult:
+    url = base_url.rstrip("/") + "/v1/chat/completions"
+    issued = 0
+    timings: list[RequestTiming] = []
+
+    def next_body() -> dict:
+        nonlocal issued
+        prompt = prompts[issued % len(prompts)]
+        issued += 1
+        return {
+            "model": model,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+
+    limits = httpx.Limits(max_connections=users + 4, max_keepalive_connections=users + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+
+        async def user() -> None:
+            while issued < requests:
+                timings.append(await _one_request(client, url, next_body()))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(user() for _ in range(min(users, requests))))
+        seconds = time.perf_counter() - start
+    tokens = sum(t.output_tokens for t in timings)
+    return LevelResult(
+        users=users,
+        requests=len(timings),
+        output_tokens=tokens,
+        seconds=round(seconds, 3),
+        aggregate_tokens_per_s=round(tokens / seconds, 2),
+        per_user_p50=round(statistics.median(t.output_tokens / t.latency_s for t in timings), 2),
+        ttft_p50_s=round(statistics.median(t.ttft_s for t in timings), 4),
+    )
+
+
+def run_level(
+    base_url: str, model: str, prompts: list[str], users: int, requests: int, max_tokens: int
+) -> LevelResult:
+    """Keep `users` streamed requests in flight until `requests` have finished."""
+    return asyncio.run(_closed_loop(base_url, model, prompts, users, requests, max_tokens))
+
+
+def wait_until_serving(base_url: str, timeout_s: float, alive=lambda: True) -> None:
+    """Poll /v1/models until the server answers 200; `alive()` false (its process died) stops early."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not alive():
+            raise RuntimeError(f"the server behind {base_url} exited before it served")
+        try:
+            if httpx.get(base_url.rstrip("/") + "/v1/models", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"{base_url} did not serve within {timeout_s:.0f} s")

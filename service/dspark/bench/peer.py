@@ -1,0 +1,272 @@
+"""`dspark bench peer`: this server against vLLM on the same machine, model files, prompts and client.
+
+Each system is started as its own server on loopback, measured at every closed-loop level, then
+stopped; rounds run the systems in turn (A B C D, A B C D), so a slow spell of a shared machine
+falls on all of them. The in-process system runs the same load on the engine without HTTP, which
+isolates what the serving path costs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dspark.bench.http_load import LevelResult, run_level, wait_until_serving
+from dspark.bench.prompts import BUILTIN_PROMPTS
+
+MODEL_NAME = "smollm2-135m"
+NGRAM_SPEC = (
+    '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+)
+
+
+@dataclass(frozen=True)
+class System:
+    """One server configuration: `kind` is vllm, dspark (HTTP) or inprocess (the engine, no HTTP)."""
+
+    name: str
+    kind: str
+    args: tuple[str, ...] = ()
+
+
+SYSTEMS: dict[str, System] = {
+    s.name: s
+    for s in (
+        System("vllm", "vllm"),
+        System("vllm-ngram", "vllm", ("--speculative-config", NGRAM_SPEC)),
+        System("dspark-plain", "dspark", ("--drafter", "none", "--policy", "none")),
+        System("dspark", "dspark", ("--drafter", "auto", "--policy", "auto")),
+        System("inprocess-plain", "inprocess", ("none", "none")),
+        System("inprocess", "inprocess", ("auto", "auto")),
+    )
+}
+
+
+@dataclass
+class PeerRun:
+    """Every round of every system; `points[system][users]` lists one LevelResult per round."""
+
+    levels: list[int]
+    points: dict[str, dict[int, list[LevelResult]]] = field(default_factory=dict)
+
+    def add(self, system: str, result: LevelResult) -> None:
+        self.points.setdefault(system, {}).setdefault(result.users, []).append(result)
+
+    def median(self, system: str, users: int, metric: str) -> float:
+        return statistics.median(getattr(r, metric) for r in self.points[system][users])
+
+
+def bench_prompts() -> list[str]:
+    """Code, chat and math prompts interleaved, so every level sees the same mix."""
+    domains = [BUILTIN_PROMPTS[d] for d in ("math", "code", "chat")]
+    return [p for group in zip(*domains, strict=True) for p in group]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(system: System, model_dir: Path, port: int, dtype: str, vllm_python: str) -> list[str]:
+    if system.kind == "vllm":
+        return [
+            vllm_python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model_dir),
+            "--served-model-name",
+            MODEL_NAME,
+            "--dtype",
+            dtype,
+            "--max-model-len",
+            "2048",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *system.args,
+        ]
+    dspark = str(Path(sys.executable).with_name("dspark"))
+    return [dspark, "serve", "--port", str(port), "--dtype", dtype, *system.args]
+
+
+@contextlib.contextmanager
+def running_server(command: list[str], log_path: Path, env: dict[str, str]) -> Iterator[subprocess.Popen]:
+    """Start a server in its own process group; stop the whole group on every way out."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        try:
+            yield proc
+        finally:
+            stop_group(proc)
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
+    """SIGINT (both servers drain and shut down on it), then SIGKILL to whatever is left of the group."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(grace_s)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def measure_server(
+    system: System,
+    model_dir: Path,
+    levels: list[int],
+    requests_per_level: dict[int, int],
+    max_tokens: int,
+    dtype: str,
+    vllm_python: str,
+    log_dir: Path,
+    round_index: int,
+    startup_timeout_s: float = 600.0,
+) -> list[LevelResult]:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = dict(os.environ)
+    if system.kind == "vllm":
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    command = server_command(system, model_dir, port, dtype, vllm_python)
+    log_path = log_dir / f"{system.name}-round{round_index}.log"
+    prompts = bench_prompts()
+    with running_server(command, log_path, env) as proc:
+        wait_until_serving(base, startup_timeout_s, alive=lambda: proc.poll() is None)
+        run_level(base, MODEL_NAME, prompts, 2, 2, max_tokens)  # warm-up: first-call allocations
+        return [
+            run_level(base, MODEL_NAME, prompts, users, requests_per_level[users], max_tokens)
+            for users in levels
+        ]
+
+
+def measure_inprocess(
+    system: System, levels: list[int], requests_per_level: dict[int, int], max_tokens: int, dtype: str
+) -> list[LevelResult]:
+    """The same prompts and lengths on the engine in this process: no HTTP, no Ray."""
+    from dspark.bench.serve import ClosedLoop
+    from dspark.builder import engine_from_config
+    from dspark.engine.config import EngineConfig
+    from dspark.engine.prompt import encode_prompt
+    from dspark.engine.sampling_params import SamplingParams
+
+    drafter, policy = system.args
+    engine = engine_from_config(EngineConfig(drafter=drafter, policy=policy, dtype=dtype))
+    prompts = [encode_prompt(engine.tokenizer, p) for p in bench_prompts()]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    results = []
+    for users in [2, *levels]:  # the first loop warms up, as the servers' warm-up request does
+        loop = ClosedLoop(engine, prompts, users, requests_per_level.get(users, 2), params, f"u{users}-")
+        while not loop.done:
+            loop.advance()
+        p = loop.point()
+        results.append(
+            LevelResult(
+                users=users,
+                requests=p.requests,
+                output_tokens=p.output_tokens,
+                seconds=round(p.seconds, 3),
+                aggregate_tokens_per_s=round(p.aggregate_tokens_per_s, 2),
+                per_user_p50=round(p.per_user_p50, 2),
+                ttft_p50_s=round(p.ttft_p50_s, 4),
+            )
+        )
+    return results[1:]
+
+
+def run_peer_bench(
+    systems: list[str],
+    model_dir: Path,
+    levels: list[int],
+    requests_per_level: dict[int, int],
+    max_tokens: int,
+    rounds: int,
+    dtype: str,
+    vllm_python: str,
+    log_dir: Path,
+    progress=print,
+) -> PeerRun:
+    run = PeerRun(levels)
+    for r in range(1, rounds + 1):
+        for name in systems:
+            system = SYSTEMS[name]
+            progress(f"round {r}/{rounds}: {name}")
+            started = time.perf_counter()
+            if system.kind == "inprocess":
+                results = measure_inprocess(system, levels, requests_per_level, max_tokens, dtype)
+            else:
+                results = measure_server(
+                    system, model_dir, levels, requests_per_level, max_tokens, dtype, vllm_python, log_dir, r
+                )
+            for result in results:
+                run.add(name, result)
+            summary = ", ".join(f"{x.users}u {x.aggregate_tokens_per_s:.1f} tok/s" for x in results)
+            progress(f"  {summary} ({time.perf_counter() - started:.0f} s)")
+    return run
+
+
+def format_table(run: PeerRun, baseline: str = "vllm") -> str:
+    """Aggregate tokens/s (median of rounds) per system and level, and the ratio to `baseline`."""
+    head = "| system | " + " | ".join(f"{u} users tok/s (x {baseline})" for u in run.levels) + " |"
+    lines = [head, "|---" * (len(run.levels) + 1) + "|"]
+    for system in run.points:
+        cells = []
+        for u in run.levels:
+            value = run.median(system, u, "aggregate_tokens_per_s")
+            ratio = ""
+            if baseline in run.points and system != baseline:
+                ratio = f" ({value / run.median(baseline, u, 'aggregate_tokens_per_s'):.2f}x)"
+            spread = _round_spread(run, system, u)
+            cells.append(f"{value:.1f}{ratio}{spread}")
+        lines.append(f"| {system} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _round_spread(run: PeerRun, system: str, users: int) -> str:
+    """The twins' spread: how far the rounds of one system differ (the noise floor)."""
+    values = [r.aggregate_tokens_per_s for r in run.points[system][users]]
+    if len(values) < 2:
+        return ""
+    return f" ±{(max(values) - min(values)) / statistics.median(values) * 50:.0f}%"
+
+
+def plot_frontier(run: PeerRun, path: Path) -> None:
+    """Aggregate against per-user tokens/s, one line per system (medians of rounds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for system in run.points:
+        xs = [run.median(system, u, "per_user_p50") for u in run.levels]
+        ys = [run.median(system, u, "aggregate_tokens_per_s") for u in run.levels]
+        style = "--" if system.startswith("vllm") else "-"
+        ax.plot(xs, ys, style, marker="o", label=system)
+        for u, x, y in zip(run.levels, xs, ys, strict=True):
+            ax.annotate(str(u), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xlabel("per-user tokens/s (median request)")
+    ax.set_ylabel("aggregate tokens/s")
+    ax.set_title("Served throughput frontier (labels: concurrent users)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
