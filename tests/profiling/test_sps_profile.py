@@ -197,16 +197,17 @@ def test_current_device_name_is_a_name() -> None:
 
 
 def test_profile_format_imports_without_torch() -> None:
-    # The operator image has no torch but reads and validates profiles.
+    # The operator image has no torch (nor NumPy) but reads, validates and looks up profiles.
     import subprocess
     import sys
 
     service = Path(__file__).resolve().parents[2] / "service"
     code = (
         "import sys; import dspark.sps_format as m; "
-        'm.SpsProfile.parse(\'{"device": "d", "model": "m", "dtype": "float32", '
-        '"points": [{"batch_tokens": 1, "steps_per_second": 2.0}]}\'); '
-        "assert 'torch' not in sys.modules, 'torch was imported'"
+        'p = m.SpsProfile.parse(\'{"device": "d", "model": "m", "dtype": "float32", '
+        '"points": [{"batch_tokens": 1, "steps_per_second": 2.0}, {"batch_tokens": 4, "steps_per_second": 1.0}]}\'); '
+        "assert p.sps(2.5) == 1.5 and abs(p.sps(8) - 0.6) < 1e-12 and p.summary()['points'] == 2; "
+        "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, 'torch or NumPy was imported'"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], env={"PYTHONPATH": str(service)}, capture_output=True, text=True
