@@ -120,6 +120,42 @@ SCHEMAS = [
 ]
 
 
+FIELDS = {
+    "name": {"type": "string", "maxLength": 12},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "score": {"type": "number", "multipleOf": 0.25, "minimum": 0, "maximum": 10},
+    "active": {"type": "boolean"},
+    "color": {"enum": ["red", "green", "blue"]},
+    "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    "sizes": {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 9}, "maxItems": 4},
+}
+
+
+def many_schemas(count: int = 30) -> list[dict]:
+    """Objects of 1-3 fields (strings, bounded numbers, booleans, enums, arrays), a third of them
+    nested one level; bounded so that every one can finish within the token budget."""
+    names = list(FIELDS)
+    schemas = []
+    for i in range(count):
+        chosen = [names[(i + j * 3) % len(names)] for j in range(1 + i % 3)]
+        chosen = list(dict.fromkeys(chosen))
+        obj = {
+            "type": "object",
+            "properties": {n: FIELDS[n] for n in chosen},
+            "required": chosen,
+            "additionalProperties": False,
+        }
+        if i % 3 == 2:
+            obj = {
+                "type": "object",
+                "properties": {"item": obj, "count": FIELDS["age"]},
+                "required": ["item", "count"],
+                "additionalProperties": False,
+            }
+        schemas.append(obj)
+    return schemas
+
+
 @pytest.fixture(scope="module")
 def smollm(smollm_dir):
     tokenizer = AutoTokenizer.from_pretrained(smollm_dir)
@@ -144,6 +180,27 @@ def test_greedy_constrained_speculation_equals_plain_and_validates(smollm):
         assert r.finish_reason == "stop", r.text
         jsonschema.validate(json.loads(r.text), schema)
     assert got[4].text in ("Paris", "London", "Rome")
+    assert sum(r.stats.draft_tokens for r in got) > 0
+
+
+def test_thirty_schemas_validate_with_and_without_speculation(smollm):
+    plain, tokenizer = smollm
+    schemas = many_schemas()
+    prompt = encode_prompt(tokenizer, "Fill in a JSON record.")
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=128,
+            structured=StructuredOutput(kind="json_schema", value=json.dumps(s)),
+        )
+        for s in schemas
+    ]
+    expected = plain.generate([prompt] * len(params), params)
+    got = sibling_engine(plain, NgramDrafter(4), _policy("static:4")).generate([prompt] * len(params), params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+    for schema, r in zip(schemas, got, strict=True):
+        assert r.finish_reason == "stop", r.text
+        jsonschema.validate(json.loads(r.text), schema)
     assert sum(r.stats.draft_tokens for r in got) > 0
 
 
