@@ -273,7 +273,6 @@ def add_shards(
             max_num_seqs=batch,
             max_batch_tokens=max_batch_tokens or max(2 * batch, spec.max_prompt_tokens + 16),
             max_model_len=spec.max_prompt_tokens + spec.max_new_tokens + 8,
-            seed=spec.seed,
         )
     )
     engine.tokenizer = None  # token ids only: no incremental detokenization per step

@@ -173,7 +173,6 @@ def _prompt_samples(
                 max_num_seqs=cfg.data.generation_batch,
                 max_batch_tokens=max(2048, cfg.data.max_prompt_tokens + 16),
                 max_model_len=cfg.data.max_prompt_tokens + cfg.data.max_new_tokens + 16,
-                seed=cfg.data.seed,
             )
         )
         generate_samples(engine, prompts, cfg.data, data_dir, progress=progress)
