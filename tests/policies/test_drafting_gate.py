@@ -288,12 +288,12 @@ def test_plain_steps_overhead_is_measured_on_a_skipped_step_and_used_for_the_com
 
 def test_acceptance_scale_tracks_observed_over_predicted_per_position_and_rescales_survival() -> None:
     scale = AcceptanceScale(decay=0.98, prior_tokens=5.0)
-    assert scale.factor == 1.0
+    assert scale.factors(1)[0] == 1.0
     for _ in range(300):
         # Position 1 promised twice what it returns, position 2 half; position 3 never verified.
         scale.observe(predicted=[2.0, 0.5], accepted=[1, 1, 0])
         scale.observe(predicted=[float("nan"), 0.1], accepted=[5, 5, 0])  # ignored
-    assert scale.factor == pytest.approx((50 + 5) / (100 + 5), rel=1e-3)  # steady sums 100, 50 + prior
+    assert scale.factors(1)[0] == pytest.approx((50 + 5) / (100 + 5), rel=1e-3)  # steady sums 100, 50 + prior
     factors = scale.factors(3)
     assert factors[1] == pytest.approx((50 + 5) / (25 + 5), rel=1e-3) and factors[2] == 1.0
     conf = np.array([[0.8, 0.5, 0.9], [0.9, 0.95, 0.5]])
@@ -332,7 +332,7 @@ def test_over_confident_drafts_stop_being_verified_and_drafted() -> None:
                 16 + before, 1 / PROFILE.sps(16.0 + before), 0.0005, 0.0005, 16, predicted=20.0, accepted=1
             )
         )
-    assert policy.acceptance.factor < 0.1
+    assert policy.acceptance.factors(1)[0] < 0.1
     assert int(policy.verify_lengths(conf, 7, 16).sum()) < before
 
 

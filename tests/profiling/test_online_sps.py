@@ -98,16 +98,6 @@ def test_table_tracks_refinement_in_batches() -> None:
     assert torch.equal(online.table(300)[:301], online.sps(torch.arange(301)))
 
 
-def test_to_profile_keeps_metadata_and_refined_rates() -> None:
-    online = OnlineSps(idle_node_prior())
-    for _ in range(100):
-        online.observe(64, true_step_seconds(64))
-    refined = online.to_profile()
-    assert refined.model == "m" and refined.batch_tokens() == GRID
-    assert refined.sps(64) == pytest.approx(online.sps(64))
-    assert SpsProfile.parse(refined.model_dump_json()) == refined
-
-
 @pytest.mark.parametrize(
     ("b", "seconds"), [(0, 0.1), (8, 0.0), (8, -1.0), (8, float("nan")), (8, float("inf"))]
 )

@@ -60,11 +60,6 @@ class AcceptanceScale:
         pred, acc = _grown(self._predicted, width)[:width], _grown(self._accepted, width)[:width]
         return (acc + self.prior_tokens) / (pred + self.prior_tokens)
 
-    @property
-    def factor(self) -> float:
-        """The first position's factor."""
-        return float(self.factors(1)[0])
-
     def apply(self, confidences: np.ndarray) -> np.ndarray:
         """Rescaled conditional confidences [R, w] (float64 NumPy, like the input)."""
         survival = np.cumprod(confidences, axis=1) * self.factors(confidences.shape[1])

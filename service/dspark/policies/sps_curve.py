@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from dspark.engine.outputs import StepStats
-from dspark.sps_format import SpsCurve, SpsPoint, SpsProfile, interp_flat, sps_of_array_or_float
+from dspark.sps_format import SpsCurve, SpsProfile, interp_flat, sps_of_array_or_float
 
 
 class OnlineSps:
@@ -149,16 +149,6 @@ class OnlineSps:
     def corrections(self) -> list[float]:
         """Estimated / prior step time at each grid point (the drift alone where nothing was observed)."""
         return [math.exp(c + self._log_drift) for c in self._log_corr]
-
-    def to_profile(self) -> SpsProfile:
-        """The refined curve as a profile of its own (same metadata, refined rates, new timestamp)."""
-        refined = self.sps(self._grid_t).tolist()
-        fields = self.prior.model_dump(exclude={"points", "created"})
-        points = [
-            SpsPoint(batch_tokens=int(b), steps_per_second=s)
-            for b, s in zip(self._grid, refined, strict=True)
-        ]
-        return SpsProfile(**fields, points=points)
 
 
 def table_lookup(curve: SpsCurve) -> Callable[[np.ndarray], np.ndarray]:
