@@ -269,3 +269,24 @@ def test_a_corpus_past_its_prompts_is_a_clear_error(tmp_path, tiny_target, promp
         main, ["train", "data", "--add-shards", "1", "--corpus", str(tmp_path / "none")]
     )
     assert result.exit_code != 0 and "has no corpus.yaml" in result.output
+
+
+def test_the_target_identity_ignores_how_its_files_were_written(tmp_path, tiny_target):
+    import shutil
+
+    copy = Path(shutil.copytree(tiny_target, tmp_path / "copy"))
+    raw = json.loads((copy / "tokenizer.json").read_text())
+    (copy / "tokenizer.json").write_text(
+        json.dumps(raw, indent=4, sort_keys=True)
+    )  # other bytes, same tokenizer
+    base = target_identity("t", tiny_target)
+    assert target_identity("t", copy).tokenizer_sha256 == base.tokenizer_sha256
+
+    raw["model"]["vocab"]["w63"], raw["model"]["vocab"]["w62"] = 62, 63  # another tokenizer
+    (copy / "tokenizer.json").write_text(json.dumps(raw))
+    assert target_identity("t", copy).tokenizer_sha256 != base.tokenizer_sha256
+
+    # A model pulled by name is identified by the verified upstream file it was converted from.
+    (copy / "dspark-model.json").write_text(json.dumps({"name": "t", "source": "w==1", "sha256": "ab" * 32}))
+    assert target_identity("t", copy).weights_sha256 == "ab" * 32
+    assert base.weights_sha256 != "ab" * 32

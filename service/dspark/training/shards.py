@@ -40,8 +40,12 @@ class TargetIdentity(_Strict):
     """What a shard's tokens depend on: another target, weights or tokenizer makes them foreign."""
 
     target: str = Field(description="Model name (or the directory name of a path target).")
-    weights_sha256: str = Field(description="sha256 over the target's *.safetensors files, in name order.")
-    tokenizer_sha256: str = Field(description="sha256 over tokenizer.json, its config and chat template.")
+    weights_sha256: str = Field(
+        description="sha256 of the upstream weights file of a pulled model, else over its *.safetensors."
+    )
+    tokenizer_sha256: str = Field(
+        description="sha256 of the tokenizer's vocabulary, merges, special tokens and chat template."
+    )
     vocab_size: int = Field(ge=1)
 
 
@@ -137,25 +141,48 @@ def _sha256_files(paths: list[Path]) -> str:
 
 
 def target_identity(name: str, model_dir: Path) -> TargetIdentity:
-    """Hashes of a target directory's weights and tokenizer files."""
-    weights = sorted(model_dir.glob("*.safetensors"))
-    if not weights:
-        raise ShardError(f"{model_dir}: no *.safetensors weights to hash")
-    tokenizer = [
-        model_dir / n
-        for n in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-        if (model_dir / n).is_file()
-    ]
-    if not tokenizer:
-        raise ShardError(f"{model_dir}: no tokenizer.json to hash")
+    """Fingerprints of a target's weights and tokenizer that do not depend on how its directory
+    was written, so a fresh clone's conversion of the same model matches the committed shards.
+
+    Weights: a model pulled by name records the sha256 of the upstream file it was converted
+    from (verified on download); another directory is hashed over its *.safetensors files.
+    Tokenizer: the vocabulary, merges, special tokens and chat template, not the file bytes.
+    """
+    from dspark.models.pull import READY_MARKER
+
+    marker = model_dir / READY_MARKER
+    if marker.is_file():
+        weights_sha = json.loads(marker.read_text())["sha256"]
+    else:
+        weights = sorted(model_dir.glob("*.safetensors"))
+        if not weights:
+            raise ShardError(f"{model_dir}: no *.safetensors weights to hash")
+        weights_sha = _sha256_files(weights)
     config = json.loads((model_dir / "config.json").read_text())
     vocab = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
     return TargetIdentity(
         target=name,
-        weights_sha256=_sha256_files(weights),
-        tokenizer_sha256=_sha256_files(tokenizer),
+        weights_sha256=weights_sha,
+        tokenizer_sha256=tokenizer_fingerprint(model_dir),
         vocab_size=int(vocab),
     )
+
+
+def tokenizer_fingerprint(model_dir: Path) -> str:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
+    # tokenizers writes merges as "a b" strings in older versions and as pairs in newer ones.
+    merges = [m.split(" ", 1) if isinstance(m, str) else list(m) for m in model.get("merges", [])]
+    payload = {
+        "type": model.get("type"),
+        "vocab": sorted(tokenizer.get_vocab().items(), key=lambda item: item[1]),
+        "merges": merges,
+        "special": sorted(map(str, tokenizer.all_special_tokens)),
+        "chat_template": tokenizer.chat_template,
+    }
+    return hashlib.sha256(json.dumps(payload, ensure_ascii=False).encode()).hexdigest()
 
 
 def write_shard(corpus_dir: Path, manifest: ShardManifest, samples: list[Sample]) -> tuple[Path, Path]:
