@@ -13,16 +13,16 @@ import torch
 from dspark.engine.config import EngineConfig
 from dspark.engine.detokenizer import Detokenizer
 from dspark.engine.drafter import DraftBlock, Drafter
-from dspark.engine.logits_processors import LogitsProcessors
 from dspark.engine.model_runner import ModelRunner, StepForward
 from dspark.engine.outputs import RequestOutput, RequestStats, StepStats, TokenLogprob
 from dspark.engine.request import Request, RequestStatus
-from dspark.engine.sampler import SamplingTensors, logits_to_probs, sample
+from dspark.engine.sampler import SamplingTensors, sample
 from dspark.engine.sampling_params import SamplingParams
 from dspark.engine.scheduler import Scheduler, StepPlan
 from dspark.engine.stopping import append_tokens, new_text
-from dspark.engine.structured import GrammarCompiler, apply_masks, grammar_masks
+from dspark.engine.structured import GrammarCompiler
 from dspark.engine.survival import host_array, survival_probabilities
+from dspark.engine.target_logits import process_rows, target_argmax, target_probs
 from dspark.engine.verifier import verify_draft_tokens, verify_greedy
 from dspark.engine.verify_policy import VerifyPolicy
 from dspark.models.config import head_dim
@@ -247,16 +247,12 @@ class LLMEngine:
                 [forward.logit_starts[len(decodes) + i] for i in completed], device=self.device
             )
             first_logits = logits[rows]
-            if (processors := LogitsProcessors.build(done, logits.shape[-1], self.device)) is not None:
-                first_logits = processors.apply(first_logits)
-            grammars = [r.grammar for r in done]
-            if (masks := grammar_masks(grammars, None, [0] * len(done), 1, logits.shape[-1])) is not None:
-                first_logits = apply_masks(first_logits, masks)
+            processed = process_rows(done, first_logits)  # penalties, logit_bias, grammars
             if all(r.params.greedy for r in done):
-                first = first_logits.argmax(-1).tolist()
+                first = target_argmax(first_logits, processed).tolist()
             else:
                 sampling = self._sampling(done)
-                first = sample(logits_to_probs(first_logits, sampling), sampling.generators).tolist()
+                first = sample(target_probs(first_logits, sampling, processed), sampling.generators).tolist()
             for request, token, row in zip(done, first, rows.tolist(), strict=True):
                 outputs.append(self._emit(request, [token], logits[row : row + 1]))
         return outputs
@@ -265,19 +261,13 @@ class LLMEngine:
         """Rejection sampling from the processed target distribution; all-greedy batches skip the
         probabilities (same result, less work)."""
         tokens = draft.block.tokens[:, :gamma_max]
-        if (processors := LogitsProcessors.build(decodes, row_logits.shape[-1], self.device)) is not None:
-            row_logits = processors.apply(row_logits, tokens)
-        grammars = [r.grammar for r in decodes]
-        masks = grammar_masks(grammars, tokens, draft.lengths, gamma_max + 1, row_logits.shape[-1])
-        if masks is not None:  # position k masked after drafts 0..k-1, so forbidden drafts are rejected
-            row_logits = apply_masks(row_logits, masks)
+        processed = process_rows(decodes, row_logits, tokens, draft.lengths)
         if all(r.params.greedy for r in decodes):
-            return verify_greedy(tokens, row_logits.argmax(-1), lengths)
+            return verify_greedy(tokens, target_argmax(row_logits, processed), lengths)
         sampling = self._sampling(decodes)
         probs = draft.block.probs[:, :gamma_max] if draft.block.probs is not None else None
-        return verify_draft_tokens(
-            tokens, probs, logits_to_probs(row_logits, sampling), lengths, sampling.generators, draft.lengths
-        )
+        target = target_probs(row_logits, sampling, processed)
+        return verify_draft_tokens(tokens, probs, target, lengths, sampling.generators, draft.lengths)
 
     # ---- helpers --------------------------------------------------------------------------
 
