@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dspark.bench.http_load import LevelResult, run_level, wait_until_serving
-from dspark.bench.prompts import BUILTIN_PROMPTS
+from dspark.prompts.builtin import BUILTIN_PROMPTS
 
 MODEL_NAME = "smollm2-135m"
 NGRAM_SPEC = (
