@@ -57,6 +57,9 @@ class OracleDrafter(Drafter):
     def admit(self, request: Request) -> None:
         self.inner.admit(request)
 
+    def context_limit(self, slot: int) -> int | None:
+        return self.inner.context_limit(slot)
+
     def release(self, request: Request) -> None:
         self.inner.release(request)
 

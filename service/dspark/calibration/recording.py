@@ -54,6 +54,9 @@ class RecordingDrafter(Drafter):
     def admit(self, request: Request) -> None:
         self.inner.admit(request)
 
+    def context_limit(self, slot: int) -> int | None:
+        return self.inner.context_limit(slot)
+
     def release(self, request: Request) -> None:
         self.inner.release(request)
 

@@ -40,6 +40,12 @@ def engine_options(command: Callable) -> Callable:
         click.option("--max-num-seqs", type=int, default=_DEFAULTS.max_num_seqs, show_default=True),
         click.option("--max-model-len", type=int, default=_DEFAULTS.max_model_len, show_default=True),
         click.option("--max-batch-tokens", type=int, default=_DEFAULTS.max_batch_tokens, show_default=True),
+        click.option(
+            "--prefix-caching/--no-prefix-caching",
+            default=_DEFAULTS.prefix_caching,
+            show_default=True,
+            help="Reuse the KV of cached prompt prefixes.",
+        ),
     ]
 
     @functools.wraps(command)

@@ -29,6 +29,11 @@ from dspark.serving.config import load_config
 @click.option("--max-num-seqs", type=int, help="Concurrently decoded requests per replica.")
 @click.option("--max-model-len", type=int, help="Prompt + output tokens per request.")
 @click.option("--max-batch-tokens", type=int, help="Token budget of one forward.")
+@click.option(
+    "--prefix-caching/--no-prefix-caching",
+    default=None,
+    help="Reuse the KV of cached prompt prefixes.  [default: on]",
+)
 @click.option("--host", help="Address to bind.  [default: 127.0.0.1]")
 @click.option("--port", type=int, help="HTTP port.  [default: 8000]")
 @click.option(

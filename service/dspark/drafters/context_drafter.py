@@ -4,7 +4,7 @@ when they next draft."""
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 
@@ -23,14 +23,42 @@ class ContextDrafter(Drafter):
 
     def __init__(self) -> None:
         self.pending = PendingCommits()
+        # slot -> whose context it is: its running request's id, or ("slot", n) for the context a
+        # finished request left there, kept while the prefix cache may reuse the slot's KV.
+        self._holder: dict[int, Hashable] = {}
+        self._slot_of: dict[str, int] = {}
 
     def admit(self, request: Request) -> None:
-        self.store.admit(request.request_id)
+        rid = request.request_id
+        self.store.admit(rid)
+        if request.prefix_source is not None:
+            source, length = request.prefix_source
+            self.write_pending()  # the source's context must be stored before it is copied
+            self.store.copy_prefix(self._holder[source], rid, length)
+        self._drop_kept(request.slot)  # the slot's old KV is being overwritten
+        self._holder[request.slot] = rid
+        self._slot_of[rid] = request.slot
 
     def release(self, request: Request) -> None:
-        if request.request_id in self.store.length:
-            self.pending.release(self.store.rows([request.request_id])[0])
-        self.store.release(request.request_id)
+        rid = request.request_id
+        slot = self._slot_of.pop(rid, None)
+        if slot is None or rid not in self.store.length:
+            self.store.release(rid)
+            return
+        # Its queued commits stay: the row keeps its context, under the slot's key.
+        self.store.rename(rid, ("slot", slot))
+        self._holder[slot] = ("slot", slot)
+
+    def context_limit(self, slot: int) -> int | None:
+        holder = self._holder.get(slot)
+        return self.store.length.get(holder, 0) if holder is not None else 0
+
+    def _drop_kept(self, slot: int) -> None:
+        key = ("slot", slot)
+        if self._holder.get(slot) == key:
+            self.pending.release(self.store.rows([key])[0])
+            self.store.release(key)
+            del self._holder[slot]
 
     @torch.inference_mode()
     def commit(self, requests: Sequence[Request], features: Sequence[torch.Tensor | None]) -> None:

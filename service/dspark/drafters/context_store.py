@@ -8,7 +8,7 @@ tokens are ever written, so nothing needs rolling back.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 
@@ -48,6 +48,25 @@ class ContextStore:
             self._free_rows.append(row)
             self._free_pages.extend(self._pages.pop(request_id))
             del self.length[request_id]
+
+    def rename(self, old: Hashable, new: Hashable) -> None:
+        """Key `old`'s context as `new` (a finished request's context kept under its slot)."""
+        if new in self._row:
+            raise ValueError(f"{new!r} already has context in the drafter")
+        self._row[new] = self._row.pop(old)
+        self._pages[new] = self._pages.pop(old)
+        self.length[new] = self.length.pop(old)
+
+    def copy_prefix(self, source: Hashable, dest: Hashable, length: int) -> None:
+        """Give `dest` (just admitted) a copy of `source`'s first `length` entries."""
+        if length > self.length[source]:
+            raise ValueError(f"{source!r} holds {self.length[source]} context entries, not {length}")
+        self.reserve(dest, length)
+        src, dst = (torch.tensor([self._row[k]], device=self.device) for k in (source, dest))
+        positions = torch.arange(length, device=self.device)
+        for name in self.entry_shapes:
+            self.write(name, dst, positions, self.read(name, src, length)[0])
+        self.length[dest] = length
 
     def rows(self, request_ids: Sequence[str]) -> list[int]:
         missing = [rid for rid in request_ids if rid not in self._row]

@@ -73,6 +73,9 @@ class LookupFirstDrafter(Drafter):
     def admit(self, request: Request) -> None:
         self.model.admit(request)
 
+    def context_limit(self, slot: int) -> int | None:
+        return self.model.context_limit(slot)
+
     def release(self, request: Request) -> None:
         self._open.pop(request.request_id, None)
         self.model.release(request)

@@ -38,6 +38,9 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(16, ge=1, le=4096, description="Requests decoded concurrently (KV slots).")
     max_model_len: int = Field(2048, ge=16, description="Prompt + output tokens per request.")
     max_batch_tokens: int = Field(512, ge=16, description="Token budget of one forward (chunked prefill).")
+    prefix_caching: bool = Field(
+        True, description="Reuse the KV (and drafter context) of cached prompt prefixes."
+    )
     sps_profile: Path | None = Field(
         None, description="SPS profile JSON (default: $DSPARK_SPS_PROFILE or the cache)."
     )
@@ -68,6 +71,7 @@ SELECTION_FIELDS = (
     "max_num_seqs",
     "max_model_len",
     "max_batch_tokens",
+    "prefix_caching",
 )
 
 

@@ -29,6 +29,12 @@ class Drafter(ABC):
     adds tokens to the target's cache (prefill chunks and verification steps, only the tokens
     the target keeps, in order), `propose` before each verification, `release` when it ends.
     Rejected draft tokens never reach `commit`, so drafter context needs no rollback.
+
+    Prefix caching: a request admitted with `prefix_source = (slot, n)` starts with n tokens
+    already cached, copied from that slot; a drafter with per-request context must start it with
+    its own context of those n tokens, from the same slot (its running request or, for a free
+    slot, the context it kept of the slot's last request), and say in `context_limit` how much
+    of a slot's context it holds.
     """
 
     name: str = "base"
@@ -44,7 +50,12 @@ class Drafter(ABC):
         return self
 
     def admit(self, request: Request) -> None:  # noqa: B027 - optional hook
-        """A request got a KV slot."""
+        """A request got a KV slot (and maybe a cached prefix: `request.prefix_source`)."""
+
+    def context_limit(self, slot: int) -> int | None:
+        """Leading tokens of the slot's cache whose drafter context this drafter holds; None when
+        it keeps no per-request context (any cached prefix will do)."""
+        return None
 
     def release(self, request: Request) -> None:  # noqa: B027 - optional hook
         """A request finished or was aborted."""

@@ -15,6 +15,7 @@ from dspark.engine.detokenizer import Detokenizer
 from dspark.engine.drafter import DraftBlock, Drafter
 from dspark.engine.model_runner import ModelRunner, StepForward
 from dspark.engine.outputs import RequestOutput, RequestStats, StepStats, TokenLogprob
+from dspark.engine.prefix_cache import PrefixCache
 from dspark.engine.request import Request, RequestStatus
 from dspark.engine.sampler import SamplingTensors, sample
 from dspark.engine.sampling_params import SamplingParams
@@ -83,7 +84,8 @@ class LLMEngine:
             device,
         )
         self.runner = ModelRunner(model, self.cache, device)
-        self.scheduler = Scheduler(self.cache, config.max_batch_tokens)
+        prefix_cache = PrefixCache(drafter.context_limit) if config.prefix_caching else None
+        self.scheduler = Scheduler(self.cache, config.max_batch_tokens, prefix_cache)
         self.eos_ids = _eos_ids(model.config, tokenizer)
         self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size, self.eos_ids)
         self.requests: dict[str, Request] = {}
@@ -334,6 +336,8 @@ class LLMEngine:
         stats = self._stats
         stats.num_running, stats.num_waiting = self.num_running, self.num_waiting
         stats.num_prefill_tokens = sum(c for _, c in plan.prefills)
+        if self.scheduler.prefix_cache is not None:
+            stats.prefix_cache_queries, stats.prefix_cache_hits = self.scheduler.prefix_cache.take_counts()
         stats.verify_batch_tokens = sum(1 + n for n in draft.lengths)
         stats.verify_budgets = list(draft.lengths)
         stats.forward_time_s, stats.step_time_s = forward_time, step_time

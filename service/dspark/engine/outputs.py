@@ -36,6 +36,7 @@ class RequestStats:
     draft_tokens: int = 0  # draft tokens sent to verification
     drafts: int = 0  # rounds that verified at least one draft token
     accepted_tokens: int = 0  # draft tokens accepted
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -53,6 +54,8 @@ class StepStats:
     num_running: int = 0
     num_waiting: int = 0
     num_prefill_tokens: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens of the requests admitted this step
+    prefix_cache_hits: int = 0  # of those, tokens reused from the prefix cache
     verify_batch_tokens: int = 0  # B: total tokens in the verification forward
     num_drafts: int = 0  # requests that verified at least one draft token
     num_draft_tokens: int = 0

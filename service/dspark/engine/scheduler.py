@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from dspark.engine.prefix_cache import PrefixCache
 from dspark.engine.request import Request, RequestStatus
 from dspark.models.kv_cache import KVCache
 
@@ -24,9 +25,12 @@ class StepPlan:
 class Scheduler:
     """FIFO admission into KV slots; decodes first, then prompt chunks within the token budget."""
 
-    def __init__(self, cache: KVCache, max_batch_tokens: int) -> None:
+    def __init__(
+        self, cache: KVCache, max_batch_tokens: int, prefix_cache: PrefixCache | None = None
+    ) -> None:
         self.cache = cache
         self.max_batch_tokens = max_batch_tokens
+        self.prefix_cache = prefix_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -42,9 +46,12 @@ class Scheduler:
         """Plan one step, reserving `tokens_per_decode` batch tokens per decode; also return the
         requests admitted into a slot by this call."""
         admitted = []
+        if self.prefix_cache is not None:
+            for request in self.running:
+                self.prefix_cache.update(request)
         while self.waiting and self.cache.num_free_slots:
             request = self.waiting.popleft()
-            request.slot = self.cache.allocate()
+            self._allocate(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             admitted.append(request)
@@ -58,10 +65,35 @@ class Scheduler:
                 budget -= chunk
         return plan, admitted
 
+    def _allocate(self, request: Request) -> None:
+        """Give the request a slot, starting it past the longest cached prefix of its prompt: the
+        free slot that holds it as is, or a copy of it from a running (or another free) slot."""
+        prefix = self.prefix_cache
+        if prefix is None:
+            request.slot = self.cache.allocate()
+            return
+        hit = prefix.lookup(request.prompt_token_ids, self.cache.is_free)
+        if hit is not None and self.cache.is_free(hit.slot):
+            request.slot = self.cache.allocate(hit.slot)
+            prefix.truncate(request.slot, hit.length)
+        else:
+            request.slot = self.cache.allocate()  # the least recently used free slot: evicted
+            prefix.truncate(request.slot)
+            if hit is not None:
+                self.cache.copy_prefix(hit.slot, request.slot, hit.length)
+                prefix.copy_index(hit.slot, request.slot, hit.length)
+        prefix.count(len(request.prompt_token_ids), hit.length if hit else 0)
+        if hit is not None:
+            request.num_cached = request.stats.cached_tokens = hit.length
+            request.prefix_source = (hit.slot, hit.length)
+
     def finish(self, request: Request) -> None:
-        """Drop a request from the queues and free its slot (idempotent)."""
+        """Drop a request from the queues and free its slot (idempotent); a prefix cache keeps
+        indexing what the slot holds until it is reused."""
         if request in self.running:
             self.running.remove(request)
+            if self.prefix_cache is not None:
+                self.prefix_cache.update(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         self.cache.free(request.slot)

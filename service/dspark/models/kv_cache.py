@@ -29,20 +29,34 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
-        self._free = list(range(num_slots - 1, -1, -1))
+        # Least recently freed first: a freed slot keeps its KV valid until it is reused, and the
+        # prefix cache reads it, so the oldest is the one to give away.
+        self._free = list(range(num_slots))
 
     @property
     def num_free_slots(self) -> int:
         return len(self._free)
 
-    def allocate(self) -> int:
+    def is_free(self, slot: int) -> bool:
+        return slot in self._free
+
+    def allocate(self, slot: int | None = None) -> int:
+        """The least recently freed slot, or `slot` itself (a free one whose KV a request reuses)."""
         if not self._free:
             raise RuntimeError("no free KV slot")
-        return self._free.pop()
+        if slot is None:
+            return self._free.pop(0)
+        self._free.remove(slot)
+        return slot
 
     def free(self, slot: int) -> None:
         if slot >= 0 and slot not in self._free:
             self._free.append(slot)
+
+    def copy_prefix(self, source: int, dest: int, length: int) -> None:
+        """Copy the first `length` positions of `source`'s K and V into `dest`."""
+        self.k[:, dest, :, :length] = self.k[:, source, :, :length]
+        self.v[:, dest, :, :length] = self.v[:, source, :, :length]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

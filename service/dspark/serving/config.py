@@ -46,6 +46,7 @@ class ServeConfig(BaseModel):
     max_num_seqs: int | None = Field(None, ge=1, description="Max concurrently running requests per replica.")
     max_model_len: int | None = Field(None, ge=16)
     max_batch_tokens: int | None = Field(None, ge=1)
+    prefix_caching: bool | None = Field(None, description="Reuse the KV of cached prompt prefixes.")
     strict_profile: bool | None = Field(None, description="Refuse to start without a matching profile.")
 
     # HTTP front end.

@@ -63,6 +63,8 @@ METRIC_NAMES = (
     "vllm:e2e_request_latency_seconds",
     "vllm:prompt_tokens_total",
     "vllm:generation_tokens_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
     "vllm:spec_decode_num_drafts_total",
     "vllm:spec_decode_num_draft_tokens_total",
     "vllm:spec_decode_num_accepted_tokens_total",
@@ -111,6 +113,10 @@ class ServingMetrics:
         )
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
+        self.prefix_queries = counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.num_drafts = counter("vllm:spec_decode_num_drafts", "Verification rounds with a draft.")
         self.draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.")
         self.accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
@@ -151,6 +157,8 @@ class ServingMetrics:
             self.e2e,
             self.prompt_tokens,
             self.generation_tokens,
+            self.prefix_queries,
+            self.prefix_hits,
             self.num_drafts,
             self.draft_tokens,
             self.accepted_tokens,
@@ -186,6 +194,9 @@ class ServingMetrics:
         self.set_queue_sizes(s.num_running, s.num_waiting)
         if s.num_prefill_tokens:
             self.prompt_tokens.labels(m).inc(s.num_prefill_tokens)
+        if s.prefix_cache_queries:
+            self.prefix_queries.labels(m).inc(s.prefix_cache_queries)
+            self.prefix_hits.labels(m).inc(s.prefix_cache_hits)
         if s.num_drafts:
             self.num_drafts.labels(m).inc(s.num_drafts)
         if s.num_draft_tokens:
