@@ -68,3 +68,13 @@ def test_print_config_shows_effective_settings(monkeypatch):
     assert "max_batch_tokens: 256" in result.output and "target: smollm2-135m" in result.output
     bad = CliRunner().invoke(main, ["serve", "--print-config", "--dtype", "float32", "--max-queue", "-2"])
     assert bad.exit_code != 0 and "max_queue" in bad.output
+
+
+def test_replicas_get_short_openmp_spins_unless_the_user_set_them(monkeypatch):
+    from dspark.serving.runtime import replica_env
+
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    env = replica_env()
+    assert env["GOMP_SPINCOUNT"] == "20000" and env["PYTHONPATH"]
+    monkeypatch.setenv("GOMP_SPINCOUNT", "300000")
+    assert replica_env()["GOMP_SPINCOUNT"] == "300000"

@@ -102,7 +102,9 @@ def server_command(system: System, model_dir: Path, port: int, dtype: str, vllm_
 
 
 @contextlib.contextmanager
-def running_server(command: list[str], log_path: Path, env: dict[str, str]) -> Iterator[subprocess.Popen]:
+def running_server(
+    command: list[str], log_path: Path, env: dict[str, str], grace_s: float = 60.0
+) -> Iterator[subprocess.Popen]:
     """Start a server in its own process group; stop the whole group on every way out."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
@@ -112,11 +114,17 @@ def running_server(command: list[str], log_path: Path, env: dict[str, str]) -> I
         try:
             yield proc
         finally:
-            stop_group(proc)
+            stop_group(proc, grace_s)
 
 
 def stop_group(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
-    """SIGINT (both servers drain and shut down on it), then SIGKILL to whatever is left of the group."""
+    """SIGINT (both servers drain and shut down on it), then SIGKILL to what is left: the process
+    group and every descendant (Ray's daemons and workers may have left the group)."""
+    import psutil
+
+    family: list[psutil.Process] = []
+    with contextlib.suppress(psutil.NoSuchProcess):
+        family = psutil.Process(proc.pid).children(recursive=True)
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGINT)
@@ -124,6 +132,9 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
             proc.wait(grace_s)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
+    for child in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
     proc.wait()
 
 

