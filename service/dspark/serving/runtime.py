@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from dspark import OPENMP_ENV
+
 log = logging.getLogger(__name__)
 
 
@@ -22,16 +24,13 @@ def _code_path() -> str:
 # Ray starts its workers at nice 15, as background tasks; a serving replica is the hot path, and at
 # nice 15 anything else on the node (the HTTP proxy, a load generator) preempts its engine thread.
 WORKER_NICENESS = "0"
-# OpenMP workers spin this long at a barrier before they sleep. libgomp's default (300,000) lets a
-# worker burn its core while the engine thread it waits for is preempted by the event loop or the
-# proxy; on a busy 2-core node that stalls every kernel of a step. 20,000 costs nothing when idle.
-OMP_SPIN_ENV = {"GOMP_SPINCOUNT": "20000"}
 
 
 def replica_env() -> dict[str, str]:
-    """Environment of the replica processes: the code path, and OpenMP settings unless set already."""
+    """Environment of the replica processes: the code path, and OpenMP settings unless set already
+    (`dspark.OPENMP_ENV`: a replica may load torch before it imports dspark)."""
     env = {"PYTHONPATH": _code_path()}
-    env.update({k: os.environ.get(k, v) for k, v in OMP_SPIN_ENV.items()})
+    env.update({k: os.environ.get(k, v) for k, v in OPENMP_ENV.items()})
     return env
 
 
