@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from dspark.engine.llm_engine import verification_logits
+from dspark.engine.verify import verification_logits
 
 
 def test_ragged_rows_repeat_each_decodes_last_row():

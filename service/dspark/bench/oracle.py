@@ -20,13 +20,15 @@ import torch
 
 from dspark.builder import sibling_engine
 from dspark.engine.drafter import DraftBlock, Drafter
-from dspark.engine.llm_engine import Draft, LLMEngine, draft_lists, verification_logits
+from dspark.engine.drafting import Draft, draft_lists
+from dspark.engine.llm_engine import LLMEngine
 from dspark.engine.model_runner import ModelRunner
 from dspark.engine.request import Request
 from dspark.engine.sampler import SamplingTensors
 from dspark.engine.sampling_params import SamplingParams
 from dspark.engine.scheduler import StepPlan
 from dspark.engine.verifier import verify_greedy
+from dspark.engine.verify import verification_logits
 from dspark.policies.static import StaticPolicy
 
 ORACLE = "oracle"

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from dspark.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from dspark.engine.request import Request
 
 
 @dataclass
@@ -43,6 +47,16 @@ class SamplingTensors:
             generators=list(generators) if generators is not None else [None] * len(params),
             all_greedy=all(p.greedy for p in params),
         )
+
+    @classmethod
+    def for_requests(
+        cls, requests: Sequence[Request], device: torch.device | str, drafting: bool = False
+    ) -> SamplingTensors:
+        """The requests' parameters and generators. A request that does not speculate keeps its
+        generator out of drafting (its drafts are never verified), so its seeded output is its
+        plain one."""
+        generators = [None if drafting and r.params.max_draft_tokens == 0 else r.generator for r in requests]
+        return cls.from_params([r.params for r in requests], generators, device)
 
     def __len__(self) -> int:
         return self.temperature.shape[0]

@@ -16,6 +16,7 @@ class VerifyPolicy(ABC):
     """Chooses l_r in [0, gamma] for each of R requests from the drafter's confidences."""
 
     name: str = "base"
+    fallbacks: int = 0  # steps so far whose confidences were unusable (the step's statistics flag them)
 
     @abstractmethod
     def verify_lengths(self, confidences: Confidences, gamma: int, num_requests: int) -> torch.Tensor:

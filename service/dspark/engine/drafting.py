@@ -1,0 +1,88 @@
+"""The draft phase of a step: propose a block, let the policy choose verify lengths, clip them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from dspark.engine.drafter import DraftBlock, Drafter
+from dspark.engine.request import Request
+from dspark.engine.sampler import SamplingTensors
+from dspark.engine.survival import host_array, survival_probabilities
+from dspark.engine.verify_policy import VerifyPolicy
+
+
+@dataclass
+class Draft:
+    """This step's drafts for the decoding requests and how much of each is verified."""
+
+    block: DraftBlock
+    lengths: list[int]  # l_r per decoding request
+
+
+@dataclass
+class DraftReport:
+    """What the draft phase measured, for the step's statistics."""
+
+    drafted: bool = False  # the drafter ran
+    horizon: int = 0  # positions drafted per request
+    draft_time_s: float = 0.0
+    schedule_time_s: float = 0.0  # the policy's choice and the clipping after it
+    policy_fallback: bool = False
+    predicted_accepted_tokens: float | None = None
+    predicted_per_position: list[float] = field(default_factory=list)
+
+
+def draft(
+    drafter: Drafter, policy: VerifyPolicy, decodes: list[Request], horizon: int, device: torch.device
+) -> tuple[Draft, DraftReport]:
+    """Draft up to `horizon` tokens per decode and choose how many of each to verify."""
+    t0 = time.perf_counter()
+    caps = [r.params.max_draft_tokens for r in decodes]  # per request; None: the policy decides
+    if None not in caps:
+        horizon = min(horizon, max(caps, default=0))
+    if horizon == 0:  # nothing to decode, the policy does not draft, or no request speculates
+        empty = torch.zeros((len(decodes), 0), dtype=torch.int64, device=device)
+        return Draft(DraftBlock(empty, None), [0] * len(decodes)), DraftReport()
+    block = drafter.propose(decodes, SamplingTensors.for_requests(decodes, device, drafting=True), horizon)
+    t1 = time.perf_counter()
+    width = min(horizon, block.tokens.shape[1])
+    # On the host once, for the policy and the statistics below (one device copy per step).
+    confidences = host_array(block.confidences[:, :width]) if block.confidences is not None else None
+    fallbacks = policy.fallbacks
+    lengths = policy.verify_lengths(confidences, width, len(decodes)).cpu().numpy()
+    report = DraftReport(True, width, t1 - t0, policy_fallback=policy.fallbacks > fallbacks)
+    if block.num_valid is not None:
+        lengths = np.minimum(lengths, block.num_valid.cpu().numpy())
+    lengths = np.maximum(np.minimum(lengths, verify_limits(decodes)), 0)
+    if confidences is not None:  # what the confidence head expects to be accepted
+        survival = survival_probabilities(confidences)
+        verified = np.arange(survival.shape[1]) < lengths[:, None]
+        per_position = np.where(verified, survival, 0.0).sum(axis=0)
+        report.predicted_accepted_tokens = float(per_position.sum())
+        report.predicted_per_position = per_position.tolist()
+    report.schedule_time_s = time.perf_counter() - t1
+    return Draft(block, lengths.tolist()), report
+
+
+def verify_limits(decodes: Sequence[Request]) -> list[int]:
+    """The most draft tokens each request may verify this step: room for the bonus token within
+    max_tokens, and the request's own cap (`max_draft_tokens`, 0 = no speculation)."""
+    return [
+        r.remaining_tokens - 1
+        if (cap := r.params.max_draft_tokens) is None
+        else min(r.remaining_tokens - 1, cap)
+        for r in decodes
+    ]
+
+
+def draft_lists(draft: Draft) -> list[list[int]]:
+    """Each decode's verified draft tokens, as the runner feeds them."""
+    if not draft.lengths or max(draft.lengths) == 0:
+        return [[] for _ in draft.lengths]
+    rows = draft.block.tokens[:, : max(draft.lengths)].tolist()
+    return [row[:n] for row, n in zip(rows, draft.lengths, strict=True)]

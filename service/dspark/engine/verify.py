@@ -1,0 +1,90 @@
+"""The verify phase of a step: accepted draft tokens of the decodes, first tokens of prompts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dspark.engine.drafting import Draft
+from dspark.engine.model_runner import StepForward
+from dspark.engine.request import Request
+from dspark.engine.sampler import SamplingTensors, sample
+from dspark.engine.scheduler import StepPlan
+from dspark.engine.target_logits import process_rows, target_argmax, target_probs
+from dspark.engine.verifier import verify_draft_tokens, verify_greedy
+
+
+@dataclass
+class Verified:
+    """What the target decided this step."""
+
+    accepted: list[int]  # per decode: draft tokens accepted
+    new_tokens: list[list[int]]  # per decode: the accepted drafts and the target's next token
+    row_logits: torch.Tensor | None  # [R, width + 1, V] the decodes' verification logits
+    first_tokens: list[tuple[Request, int, int]]  # (request, token, logit row) per completed prompt
+
+
+def verify(plan: StepPlan, draft: Draft, forward: StepForward, device: torch.device) -> Verified:
+    """Verify the decodes' drafts, then sample the first token of every prompt this step completes."""
+    accepted, new_tokens, row_logits = [], [], None
+    decodes = plan.decodes
+    if decodes:
+        width = max(draft.lengths)
+        row_logits = verification_logits(
+            forward.output.logits, forward.logit_starts[: len(decodes)], draft.lengths, width
+        )
+        num_accepted, next_tokens = _verify_decodes(decodes, draft, row_logits, width, device)
+        accepted, nexts = num_accepted.tolist(), next_tokens.tolist()
+        drafted = draft.block.tokens[:, :width].tolist()
+        new_tokens = [drafted[i][:n] + [nexts[i]] for i, n in enumerate(accepted)]
+    return Verified(accepted, new_tokens, row_logits, _first_tokens(plan, forward, device))
+
+
+def _verify_decodes(decodes: list[Request], draft: Draft, row_logits: torch.Tensor, width: int, device):
+    """Rejection sampling from the processed target distribution; all-greedy batches skip the
+    probabilities (same result, less work)."""
+    lengths = torch.tensor(draft.lengths, device=device)
+    tokens = draft.block.tokens[:, :width]
+    processed = process_rows(decodes, row_logits, tokens, draft.lengths)
+    if all(r.params.greedy for r in decodes):
+        return verify_greedy(tokens, target_argmax(row_logits, processed), lengths)
+    sampling = SamplingTensors.for_requests(decodes, device)
+    probs = draft.block.probs[:, :width] if draft.block.probs is not None else None
+    target = target_probs(row_logits, sampling, processed)
+    return verify_draft_tokens(tokens, probs, target, lengths, sampling.generators, draft.lengths)
+
+
+def _first_tokens(
+    plan: StepPlan, forward: StepForward, device: torch.device
+) -> list[tuple[Request, int, int]]:
+    """Sample each completed prompt's first output token at its chunk's last logit row."""
+    num_decodes = len(plan.decodes)
+    completed = [
+        (request, forward.logit_starts[num_decodes + i])
+        for i, (request, chunk) in enumerate(plan.prefills)
+        if request.num_cached + chunk == len(request.prompt_token_ids)
+    ]
+    if not completed:
+        return []
+    done = [r for r, _ in completed]
+    rows = torch.tensor([row for _, row in completed], device=device)
+    logits = forward.output.logits[rows]
+    processed = process_rows(done, logits)  # penalties, logit_bias, grammars
+    if all(r.params.greedy for r in done):
+        first = target_argmax(logits, processed).tolist()
+    else:
+        sampling = SamplingTensors.for_requests(done, device)
+        first = sample(target_probs(logits, sampling, processed), sampling.generators).tolist()
+    return [(r, token, row) for (r, row), token in zip(completed, first, strict=True)]
+
+
+def verification_logits(
+    logits: torch.Tensor, starts: list[int], lengths: list[int], width: int
+) -> torch.Tensor:
+    """[R, width + 1, V]: each decode's logits at its anchor and verified drafts (rows past its own
+    length repeat its last one)."""
+    index = [start + min(k, n) for start, n in zip(starts, lengths, strict=True) for k in range(width + 1)]
+    if index == list(range(len(index))):  # every decode verified `width` drafts (plain decoding always)
+        return logits[: len(index)].view(len(starts), width + 1, -1)
+    return logits[torch.tensor(index, device=logits.device)].view(len(starts), width + 1, -1)
