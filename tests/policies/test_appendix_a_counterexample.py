@@ -69,7 +69,7 @@ def test_async_capacity_from_two_steps_earlier_stays_lossless() -> None:
     tokens, conf = draw_rounds(seed=5)
     policy = DSparkAsyncPolicy(appendix_profile(), refine=False)
     lengths = per_round(lambda c: policy.verify_lengths(c, 2, 1))(conf)
-    assert policy.warmup_steps == 2
+    assert policy.ranking.warmup_steps == 2
     admitted = lengths[2:] > 0
     # x_1 is verified in about half the rounds (whenever x_1 two rounds back was A) ...
     assert 0.45 < admitted.double().mean().item() < 0.55

@@ -257,15 +257,15 @@ def test_async_policy_warms_up_again_after_skipped_steps() -> None:
     high = torch.full((16, 7), 0.9, dtype=torch.float64)
     for _ in range(3):
         policy.verify_lengths(high, 7, 16)
-    warm = policy.warmup_steps
+    warm = policy.ranking.warmup_steps
     policy.gate.cost.observe(16, 1.0)
     assert policy.max_length(7, 16) == 0
     policy.gate = DraftingGate(memory_rows=16)  # nothing measured again: drafts
     assert policy.max_length(7, 16) > 0
     policy.verify_lengths(high, 7, 16)  # capacity from the step before the skip
-    assert policy.warmup_steps == warm == 2
+    assert policy.ranking.warmup_steps == warm == 2
     policy.verify_lengths(high, 7, 16)  # the skipped step is two steps back: Algorithm 1 instead
-    assert policy.warmup_steps == 3
+    assert policy.ranking.warmup_steps == 3
 
 
 def test_plain_steps_overhead_is_measured_on_a_skipped_step_and_used_for_the_comparison() -> None:
@@ -276,12 +276,12 @@ def test_plain_steps_overhead_is_measured_on_a_skipped_step_and_used_for_the_com
     policy.verify_lengths(high, 7, 16)
     # Drafted steps: accepting their tokens costs 2 ms besides a cheap 0.5 ms drafting.
     policy.observe_step(step_stats(16, 1 / PROFILE.sps(16.0), 0.002, draft_s=0.0005, drafted_requests=16))
-    assert policy.plain_other_s is None
+    assert policy.costs.plain_other_s is None
     assert policy.max_length(7, 16) == 0  # one undrafted step, to measure it
     policy.observe_step(step_stats(16, 1 / PROFILE.sps(16.0), 0.0001))
-    assert policy.plain_other_s == pytest.approx(0.0001) and policy.other_s > 0
+    assert policy.costs.plain_other_s == pytest.approx(0.0001) and policy.costs.other_s > 0
     gate = policy.gate
-    with_draft = expected_rate(gate._pool, 16, policy.other_s + gate.cost.seconds(16))
+    with_draft = expected_rate(gate._pool, 16, policy.costs.other_s + gate.cost.seconds(16))
     plain = 16 / (0.0001 + 1 / float(FORWARD(torch.tensor([16]))[0]))
     assert (policy.max_length(7, 16) > 0) == (with_draft > plain * (1 + gate.min_gain))
 

@@ -105,7 +105,7 @@ def test_steps_carrying_prefills_are_timed_against_all_their_tokens() -> None:
         policy.observe_step(step_stats(16, slow_216, 0.05, prefill_tokens=200))
     assert policy.sps.sps(16.0) == pytest.approx(PROFILE.sps(16.0), rel=1e-6)
     assert policy.sps.sps(216.0) == pytest.approx(PROFILE.sps(216.0), rel=0.02)
-    assert policy.other_s == 0.0 and policy.plain_other_s is None
+    assert policy.costs.other_s == 0.0 and policy.costs.plain_other_s is None
 
 
 def test_step_overhead_makes_verification_relatively_cheaper() -> None:
@@ -115,19 +115,19 @@ def test_step_overhead_makes_verification_relatively_cheaper() -> None:
     before = policy.verify_lengths(conf, 6, 16).sum()
     for _ in range(100):
         policy.observe_step(step_stats(16, 1 / PROFILE.sps(16.0), 0.05, drafted_requests=16))
-    assert policy.other_s == pytest.approx(0.05, rel=1e-3)
+    assert policy.costs.other_s == pytest.approx(0.05, rel=1e-3)
     after = policy.verify_lengths(conf, 6, 16).sum()
     assert after > before
     frozen = DSparkPolicy(PROFILE, refine=False)
     frozen.observe_step(step_stats(16, 1.0, 0.05, drafted_requests=16))
-    assert frozen.other_s == 0.0
+    assert frozen.costs.other_s == 0.0
 
 
 def test_async_uses_greedy_for_two_steps_then_capacity_from_two_steps_back() -> None:
     policy = DSparkAsyncPolicy(PROFILE, refine=False)
     confs = [confidences(seed, rows=16 + seed) for seed in range(5)]  # the request count changes
     out = [policy.verify_lengths(c, 6, c.shape[0]) for c in confs]
-    assert policy.warmup_steps == 2
+    assert policy.ranking.warmup_steps == 2
     for t in (0, 1):
         assert torch.equal(out[t], prefix_greedy_lengths(confs[t], PROFILE.sps))
     for t in (2, 3, 4):
@@ -148,7 +148,7 @@ def test_async_after_a_fallback_step_schedules_causally_until_history_returns() 
     assert torch.equal(policy.verify_lengths(third, 6, 16), topk_survival(third, capacity))
     fourth = confidences(3)
     assert torch.equal(policy.verify_lengths(fourth, 6, 16), prefix_greedy_lengths(fourth, PROFILE.sps))
-    assert policy.warmup_steps == 2  # step 1 and step 4
+    assert policy.ranking.warmup_steps == 2  # step 1 and step 4
 
 
 def test_async_capacity_shrinks_when_many_requests_join() -> None:
@@ -183,7 +183,7 @@ def test_a_skipped_step_keeps_the_draft_horizon(make) -> None:
     assert int(policy.verify_lengths(two, 7, 16).max()) == 2
     policy.gate.cost.observe(16, 1e-6)
     assert policy.max_length(7, 16) == 0  # the gate measures one undrafted step first
-    policy.plain_other_s = 1e-4
+    policy.costs.plain_other_s = 1e-4
     assert policy.max_length(7, 16) in (2, 3)
 
 

@@ -13,21 +13,14 @@ from dspark.engine.outputs import StepStats
 
 class AcceptanceScale:
     """Per position k: draft tokens accepted at k over the survival the confidences predicted at
-    k (over the verified positions), both summed with exponential forgetting, with a prior of
-    `prior_tokens` at ratio 1. Forgetting is per request round that verified something
-    (`decay` each), not per step: at one request a per-step window of 50 steps held about five
-    predicted tokens at position 2, so the prior kept that factor near 1 whatever was accepted,
-    while 64 requests fill the same window in one step.
+    k, both summed with exponential forgetting (`decay` per request round that verified something,
+    so one request and 64 forget at the same pace), with a prior of `prior_tokens` at ratio 1.
 
-    Calibration is fitted offline on one prompt mix and has few positive rounds past the first
-    positions; live traffic (other prompts, other lengths, text past an ignored EOS) can differ,
-    and a scheduler that trusts over-confident survival verifies too much, while under-confident
-    later positions leave cheap tokens unverified (at one CPU user the confidences predicted half
-    of what positions 2-3 returned).
-
-    `apply` multiplies each survival probability by its position's factor (kept in [0, 1] and
-    non-increasing along the block) and returns the matching conditional confidences; it depends
-    on earlier steps only, so schedules stay lossless.
+    Calibration is fitted offline on one prompt mix; live traffic can differ, and a scheduler
+    that trusts over-confident survival verifies too much. `apply` multiplies each survival
+    probability by its position's factor (kept in [0, 1], non-increasing along the block) and
+    returns the matching conditional confidences; it depends on earlier steps only, so schedules
+    stay lossless.
     """
 
     def __init__(self, decay: float = 0.999, prior_tokens: float = 5.0) -> None:

@@ -18,14 +18,9 @@ FALLBACK_LENGTH = 3
 
 class ConfidencePolicy(VerifyPolicy):
     """A policy that needs confidences. Without usable ones (None, NaN, inf) the step verifies
-    a fixed min(FALLBACK_LENGTH, gamma) tokens per request, which is lossless whatever the
-    drafter did. `fallbacks` counts such steps for the metrics layer; one warning is logged
-    per burst of consecutive fallback steps.
-
-    Scheduling runs on the host in NumPy (the engine hands the confidences over as a host array,
-    a tensor is copied there once; R x gamma is tiny and the engine needs the lengths on the host
-    to lay out the batch): lengths come back as a CPU int64 tensor, like `StaticPolicy`'s.
-    """
+    a fixed min(FALLBACK_LENGTH, gamma) tokens per request, lossless whatever the drafter did;
+    `fallbacks` counts such steps and one warning is logged per burst of them. Confidences are
+    ranked on the host in NumPy; lengths come back as a CPU int64 tensor."""
 
     def __init__(self) -> None:
         self.fallbacks = 0

@@ -1,12 +1,8 @@
 """Whether a step should draft at all: DSpark's expected-throughput test, extended to the drafter.
 
-The paper's scheduler picks verify lengths after drafting, because a GPU drafts almost for
-free. Where drafting costs a real share of the verification forward (a CPU, or a drafter
-large next to its target) a step can be faster without it; this gate compares the two
-before the drafter runs. Everything it uses comes from earlier steps (recent calibrated
-confidences, measured drafting and step times) and the number of requests, none of which the
-coming draft shapes, so skipping a step's drafting keeps decoding lossless: that step simply
-verifies no draft tokens.
+Where drafting costs a real share of the verification forward (a CPU, or a drafter large next to
+its target) a step can be faster without it. The gate decides from earlier steps and the number
+of requests only, which the coming draft cannot shape, so skipping keeps decoding lossless.
 """
 
 from __future__ import annotations
@@ -32,11 +28,8 @@ def ewma(old: float | None, new: float, alpha: float) -> float:
 
 class DraftCost:
     """Seconds one drafting call takes for R requests and a horizon of h positions: an EWMA per
-    observed (R, h). An unseen horizon is interpolated between the horizons measured at R, an
-    unseen R between the per-R EWMAs over all horizons; both flat past either end, so an unseen
-    larger batch looks cheap, gets drafted once, and is then measured. The horizon matters:
-    DSpark's backbone always runs whole, but its sequential head, and every EAGLE-3 step, scale
-    with it."""
+    observed (R, h), interpolated between measured horizons at R, else between the per-R EWMAs,
+    flat past either end (an unseen larger batch looks cheap, gets drafted once, then measured)."""
 
     def __init__(self, alpha: float = 0.2) -> None:
         self.alpha = alpha
@@ -97,31 +90,16 @@ class _Exploration:
 class DraftingGate:
     """Drafts a step only when R requests are expected to decode faster with drafting.
 
-    With drafting h positions: Algorithm 1's objective at its early stop, over the first h
-    confidences of recent drafted steps' rows (at least `memory_rows`) standing in for the R
-    requests, each row weighted R / rows: tau = R + w * (admitted survival), in a step of
-    other + draft(R, h) + 1 / SPS(R + w * admitted). A pool rather than the last step's rows
-    keeps one unlucky draft from switching drafting off. Without: R tokens in
-    other' + 1 / SPS(R), where other' is measured on undrafted steps (accepting drafted tokens
-    costs more; charging that to plain steps biased the gate towards drafting).
-
-    Drafting must promise `min_gain` (1%) more: near break-even the estimates' noise would
-    otherwise flip the decision step by step for no expected gain. Unknown costs or fewer than
-    `memory_rows` rows remembered: draft; no undrafted step measured yet: skip one (that is how
-    they get measured). After `explore_every` skipped steps in a row one step drafts anyway, to
-    refresh the pool and the cost; each exploration that changes nothing doubles that interval (up to
-    8x), so a load where drafting clearly does not pay spends little on checking. Skipped steps,
-    intervals and explorations are counted per number of requests R: a closed loop at 4 users
-    drafts (rightly) on the steps where a request has just finished and 3 decode, and with one
-    count for all R each of those reset the 4-user interval to its shortest. An exploration
-    drafts steps enough to renew a quarter of the pool: at one request a single step renews 1 of 64
-    rows, too little to ever outvote rows from before the load changed (a chat user switching
-    to math stayed undrafted).
-
-    A horizon's expected rate at R requests is reused for `reuse_steps` evaluations (and renewed
-    after an exploration): between two evaluations the pool changes by R of its 64 rows and the
-    costs by an EWMA step, while ranking the pool and evaluating the objective cost about 0.15 ms
-    a horizon in a running engine, on every step, skipped ones too.
+    With drafting h positions: Algorithm 1's objective at its early stop over the first h
+    confidences of recent drafted steps' rows (a pool of at least `memory_rows`, each weighted
+    R / rows, so one unlucky draft cannot switch drafting off), in a step of
+    other + draft(R, h) + 1 / SPS(R + admitted). Without: R tokens in other' + 1 / SPS(R), other'
+    measured on undrafted steps. Drafting must promise `min_gain` more, so that noise near
+    break-even does not flip the decision. Unknown costs or a short pool: draft; no undrafted step
+    measured yet: skip one. Per request count R, `explore_every` skipped steps in a row trigger a
+    burst that renews a quarter of the pool; an exploration that changes nothing doubles the
+    interval (up to 8x). A horizon's expected rate is reused for `reuse_steps` evaluations.
+    docs/scheduler.md gives the reasons and measurements.
     """
 
     def __init__(

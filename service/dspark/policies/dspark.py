@@ -59,8 +59,6 @@ class StepCosts:
 class Algorithm1:
     """The greedy prefix ranking with early break, on this step's confidences."""
 
-    warmup_steps = 0
-
     def lengths(self, confidences: np.ndarray, step_rate: SpsFn) -> torch.Tensor:
         return prefix_greedy_lengths(confidences, step_rate)
 
@@ -69,20 +67,13 @@ class Algorithm1:
 
 
 class AsyncSplit:
-    """Capacity from two steps ago, top-K of the current survival.
+    """Capacity from two steps ago, top-K of the current survival (paper section 5.2).
 
-    Step t's capacity comes from a global argmax of Theta (no early break, so it sees past
-    jagged SPS cliffs) over step t-2's confidences; it is kept as the target batch size
-    B* = R_{t-2} + K_{t-2}. Step t then verifies the K = max(0, B* - R_t) ranked candidates of
-    its own confidences with the highest survival. Lossless: K depends only on earlier steps
-    and on R_t (both fixed before this step's tokens are drawn), and a token's rank depends
-    only on survival values ranked above it, which its own value never shapes.
-
-    Keeping B* rather than K means requests joining or leaving keep the batch at the size the
-    search chose (the same side of a cliff); a sudden jump in R can leave K = 0 for two steps.
-    While fewer than two earlier steps have confidences (the first two steps, or two steps
-    after a skipped or fallback step), the step is ranked by Algorithm 1 on its own confidences,
-    which is also lossless; `warmup_steps` counts those.
+    Step t keeps B* = R_{t-2} + K_{t-2} from a global argmax of Theta over step t-2's confidences
+    (no early break, so it sees past jagged SPS cliffs) and verifies the K = max(0, B* - R_t)
+    candidates of its own confidences with the highest survival. Lossless: K depends only on
+    earlier steps and R_t, and a token's rank only on values ranked above it. Without two earlier
+    steps with confidences the step is ranked by Algorithm 1 (`warmup_steps` counts those).
     """
 
     lag = 2
@@ -108,18 +99,12 @@ class AsyncSplit:
 class DSparkPolicy(ConfidencePolicy):
     """Ranks against the rate of whole engine steps: 1 / (other + draft(R, h) + 1 / SPS(B)).
 
-    The profile times the verification forward alone, but a step that drafts also pays for
-    drafting and acceptance, costs that do not depend on the verify lengths chosen; leaving them
-    out overstates the relative cost of extra verification. Confidences are rescaled by the
-    observed / predicted acceptance of earlier steps (`AcceptanceScale`), and the `DraftingGate`
-    skips drafting on steps expected to be faster without it. Everything comes from earlier
-    steps only, so verify lengths stay lossless.
-
-    Decisions run in drift-free time units: measured times are divided by the SPS curve's drift
-    (`OnlineSps.drift`) when observed, and forward rates from the curve multiplied by it when
-    looked up. A common factor changes no comparison, and a drafting cost measured while the
-    node was slow then cannot make drafting look cheap, or dear, after it sped up while the
-    gate skipped.
+    Drafting and acceptance costs do not depend on the verify lengths; leaving them out would
+    overstate the cost of extra verification. Confidences are rescaled by `AcceptanceScale`, and
+    the `DraftingGate` skips drafting where a step is expected to be faster without it; all from
+    earlier steps, so verify lengths stay lossless. Measured times are divided by the SPS curve's
+    drift and forward rates multiplied by it: decisions run in drift-free units, so a cost
+    measured while the node was slow does not mislead after it sped up.
     """
 
     name = PolicyName.DSPARK
@@ -146,22 +131,6 @@ class DSparkPolicy(ConfidencePolicy):
             self._forward_sps = lambda b: lookup(b) * curve.drift()
         self._longest: int | None = None  # longest verify length of the previous drafted step
 
-    @property
-    def other_s(self) -> float:
-        return self.costs.other_s
-
-    @property
-    def plain_other_s(self) -> float | None:
-        return self.costs.plain_other_s
-
-    @plain_other_s.setter
-    def plain_other_s(self, seconds: float | None) -> None:
-        self.costs.plain_other_s = seconds
-
-    @property
-    def warmup_steps(self) -> int:
-        return self.ranking.warmup_steps
-
     def max_length(self, gamma: int, num_requests: int = 1) -> int:
         """0 when the gate finds this step faster without drafting; else the horizon h or h - 1,
         whichever the gate expects to be faster, where h is one past the previous step's longest
@@ -171,7 +140,7 @@ class DSparkPolicy(ConfidencePolicy):
         widest = gamma if self._longest is None else min(gamma, self._longest + 1)
         horizons = range(max(1, widest - 1), widest + 1)
         horizon = self.gate.draft_horizon(
-            num_requests, self._forward_sps, self.other_s, self.plain_other_s, horizons
+            num_requests, self._forward_sps, self.costs.other_s, self.costs.plain_other_s, horizons
         )
         if not horizon:
             self.ranking.skip()
@@ -190,7 +159,7 @@ class DSparkPolicy(ConfidencePolicy):
 
     def _lengths(self, confidences: np.ndarray) -> torch.Tensor:
         num_requests, gamma = confidences.shape
-        fixed_s = self.other_s + (self.gate.cost.seconds(num_requests, gamma) or 0.0)
+        fixed_s = self.costs.other_s + (self.gate.cost.seconds(num_requests, gamma) or 0.0)
         return self.ranking.lengths(confidences, lambda b: 1.0 / (fixed_s + 1.0 / self._forward_sps(b)))
 
     def _on_fallback(self) -> None:

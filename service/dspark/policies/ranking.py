@@ -32,9 +32,16 @@ def ranked_candidates(confidences: torch.Tensor | np.ndarray) -> tuple[np.ndarra
     return values[order], order // survival.shape[1]
 
 
-def _lengths(rows: np.ndarray, taken: int, num_requests: int) -> torch.Tensor:
-    """Lengths when the first `taken` ranked candidates are verified."""
-    return torch.from_numpy(np.bincount(rows[:taken], minlength=num_requests).astype(np.int64))
+def _ranked_lengths(
+    confidences: torch.Tensor | np.ndarray, taken: Callable[[np.ndarray, int], int]
+) -> torch.Tensor:
+    """Lengths when the first `taken(values, R)` ranked candidates are verified."""
+    num_requests, gamma = confidences.shape
+    if num_requests == 0 or gamma == 0:
+        return torch.zeros(num_requests, dtype=torch.int64)
+    values, rows = ranked_candidates(confidences)
+    count = taken(values, num_requests)
+    return torch.from_numpy(np.bincount(rows[:count], minlength=num_requests).astype(np.int64))
 
 
 def expected_throughputs(
@@ -55,11 +62,6 @@ def early_stop(theta: np.ndarray) -> int:
     return int(rising.size if rising.all() else rising.argmin())
 
 
-def _empty(confidences: torch.Tensor | np.ndarray) -> torch.Tensor | None:
-    num_requests, gamma = confidences.shape
-    return torch.zeros(num_requests, dtype=torch.int64) if num_requests == 0 or gamma == 0 else None
-
-
 def prefix_greedy_lengths(confidences: torch.Tensor | np.ndarray, sps_fn: SpsFn) -> torch.Tensor:
     """Algorithm 1: admit ranked candidates while expected throughput Theta strictly rises.
 
@@ -67,11 +69,7 @@ def prefix_greedy_lengths(confidences: torch.Tensor | np.ndarray, sps_fn: SpsFn)
     candidates ranked above it, never on a later a[r, j+1] that the sampled x[r, j] shaped
     (paper Appendix A).
     """
-    if (empty := _empty(confidences)) is not None:
-        return empty
-    values, rows = ranked_candidates(confidences)
-    taken = early_stop(expected_throughputs(values, confidences.shape[0], sps_fn))
-    return _lengths(rows, taken, confidences.shape[0])
+    return _ranked_lengths(confidences, lambda v, r: early_stop(expected_throughputs(v, r, sps_fn)))
 
 
 def global_argmax_lengths(confidences: torch.Tensor | np.ndarray, sps_fn: SpsFn) -> torch.Tensor:
@@ -80,20 +78,12 @@ def global_argmax_lengths(confidences: torch.Tensor | np.ndarray, sps_fn: SpsFn)
     NOT lossless on the current step's confidences (it lets x[r, j] vote on its own admission
     through a[r, j+1]); only safe on confidences from earlier steps, as `DSparkAsyncPolicy` does.
     """
-    if (empty := _empty(confidences)) is not None:
-        return empty
-    values, rows = ranked_candidates(confidences)
-    taken = int(expected_throughputs(values, confidences.shape[0], sps_fn).argmax())
-    return _lengths(rows, taken, confidences.shape[0])
+    return _ranked_lengths(confidences, lambda v, r: int(expected_throughputs(v, r, sps_fn).argmax()))
 
 
 def topk_survival(confidences: torch.Tensor | np.ndarray, k: int) -> torch.Tensor:
     """Verify the `k` draft tokens with the highest survival probability (fewer if fewer have a > 0)."""
-    if (empty := _empty(confidences)) is not None:
-        return empty
-    values, rows = ranked_candidates(confidences)
-    taken = max(0, min(int(k), int((values > 0).sum())))
-    return _lengths(rows, taken, confidences.shape[0])
+    return _ranked_lengths(confidences, lambda v, r: max(0, min(int(k), int((v > 0).sum()))))
 
 
 def leading_at_least(confidences: torch.Tensor | np.ndarray, threshold: float) -> torch.Tensor:

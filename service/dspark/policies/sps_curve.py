@@ -23,24 +23,13 @@ from dspark.sps_format import SpsCurve, SpsProfile, interp_flat, sps_of_array_or
 class OnlineSps:
     """SPS(B) = prior SPS(B) / (drift * correction(B)), both learned from observed step times.
 
-    `drift` follows the error of every observation quickly (rate `drift_alpha`), the per-size
-    corrections slowly (the curve's shape), so a node that slows down (or speeds up) while only
-    some batch sizes run moves the estimate at all of them. The drafting gate compares batch
-    sizes measured at different times (a decode step without drafting, one with); per-size
-    corrections alone left the one not run lately at the machine's speed of back then.
-    `drift_alpha=0` learns the corrections alone.
-
-    Each observation (B, seconds) gives the log ratio of observed to prior step time at B; what
-    the drift leaves of it is shared between the two grid points around B in proportion to their
-    closeness (below the first or above the last point, all to the end point). A grid point's log
-    correction moves toward that residual like a running mean in which the prior counts as
-    `prior_weight` observations, but never slower than an EWMA with rate `alpha`. One
-    observation moves the drift and a correction by at most a factor `max_jump` each, so a
-    single stalled step (a GC pause, a page fault) cannot wreck them.
-
-    `sps()` always reflects every observation; the dense `table()` the scheduler indexes is
-    rebuilt at most once per `refresh_every` observations, which keeps refinement off the
-    per-step cost (a few steps of lag are nothing next to the EWMA's own memory).
+    `drift` (rate `drift_alpha`; 0 learns the corrections alone) follows every observation's error
+    quickly, so a node that slows down while only some batch sizes run moves the estimate at all
+    of them; the per-size log corrections (the curve's shape) move slowly, shared between the two
+    grid points around B by closeness, like a running mean in which the prior counts as
+    `prior_weight` observations but never slower than an EWMA of rate `alpha`. One observation
+    moves either by at most a factor `max_jump` (a stalled step cannot wreck them). The dense
+    `table()` is rebuilt at most once per `refresh_every` observations, off the per-step cost.
     """
 
     def __init__(
@@ -52,16 +41,15 @@ class OnlineSps:
         refresh_every: int = 8,
         drift_alpha: float = 0.1,
     ) -> None:
-        if not 0 < alpha <= 1:
-            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-        if prior_weight < 0:
-            raise ValueError(f"prior_weight must be >= 0, got {prior_weight}")
-        if refresh_every < 1:
-            raise ValueError(f"refresh_every must be >= 1, got {refresh_every}")
-        if not 0 <= drift_alpha <= 1:
-            raise ValueError(f"drift_alpha must be in [0, 1], got {drift_alpha}")
-        if max_jump <= 1:
-            raise ValueError(f"max_jump must be > 1, got {max_jump}")
+        valid = {
+            f"alpha must be in (0, 1], got {alpha}": 0 < alpha <= 1,
+            f"prior_weight must be >= 0, got {prior_weight}": prior_weight >= 0,
+            f"refresh_every must be >= 1, got {refresh_every}": refresh_every >= 1,
+            f"drift_alpha must be in [0, 1], got {drift_alpha}": 0 <= drift_alpha <= 1,
+            f"max_jump must be > 1, got {max_jump}": max_jump > 1,
+        }
+        if not all(valid.values()):
+            raise ValueError("; ".join(rule for rule, ok in valid.items() if not ok))
         self.prior = prior
         self.alpha = alpha
         self.prior_weight = prior_weight
