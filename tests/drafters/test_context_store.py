@@ -77,3 +77,21 @@ def test_pending_commits_ask_to_be_written_when_full():
     assert not pending.add(_chunk([0, 1, 2], [0, 0, 0]))
     assert pending.add(_chunk([0], [1]))
     assert pending.num_tokens == 4
+
+
+def test_copy_prefix_and_rename_keep_the_entries():
+    """A prefix-cache hit copies a kept context; the tables may have grown inside inference mode."""
+    store = ContextStore({"kv": (2,)}, torch.device("cpu"), torch.float32, page_size=4)
+    store.admit("a")
+    with torch.inference_mode():  # commits grow the tables in inference mode
+        store.reserve("a", 40)
+        store.length["a"] = 40
+        values = torch.randn(40, 2)
+        store.write("kv", torch.tensor(store.rows(["a"]) * 40), torch.arange(40), values)
+    store.rename("a", ("slot", 0))
+    store.admit("b")
+    store.copy_prefix(("slot", 0), "b", 23)
+    assert store.length["b"] == 23
+    torch.testing.assert_close(store.read("kv", torch.tensor(store.rows(["b"])), 23)[0], values[:23])
+    with pytest.raises(ValueError, match="holds 40"):
+        store.copy_prefix(("slot", 0), "b", 41)

@@ -57,6 +57,7 @@ class ContextStore:
         self._pages[new] = self._pages.pop(old)
         self.length[new] = self.length.pop(old)
 
+    @torch.inference_mode()  # the tables may have grown in inference mode (commits run in it)
     def copy_prefix(self, source: Hashable, dest: Hashable, length: int) -> None:
         """Give `dest` (just admitted) a copy of `source`'s first `length` entries."""
         if length > self.length[source]:

@@ -47,6 +47,8 @@ class PrefixCache:
         self._tokens: dict[int, list[int]] = {}  # slot -> those blocks' tokens (rules out collisions)
         self._slots: dict[int, set[int]] = {}  # block hash -> slots holding it
         self.queries = self.hits = 0  # prompt tokens looked up / found, since the last `take_counts`
+        self._freed: dict[int, int] = {}  # slot -> when it was last freed (a step-free clock)
+        self._clock = 0
 
     def lookup(self, prompt: Sequence[int], is_free: Callable[[int], bool]) -> PrefixHit | None:
         """The longest cached whole-block prefix of `prompt`, leaving its last token to compute (its
@@ -94,6 +96,18 @@ class PrefixCache:
             self._slots.setdefault(h, set()).add(slot)
         hashes.extend(new)
         tokens.extend(known[len(tokens) :])
+
+    def freed(self, slot: int) -> None:
+        self._clock += 1
+        self._freed[slot] = self._clock
+
+    def victim(self, free: Sequence[int]) -> int:
+        """The free slot to give a request whose prefix is not cached: one that holds no cached
+        block, else the least recently freed."""
+        empty = [s for s in free if not self._hashes.get(s)]
+        if empty:
+            return min(empty)
+        return min(free, key=lambda s: self._freed.get(s, 0))
 
     def truncate(self, slot: int, length: int = 0) -> None:
         """The slot keeps only its first `length` tokens (whole blocks) valid: it changes hands."""

@@ -77,7 +77,7 @@ class Scheduler:
             request.slot = self.cache.allocate(hit.slot)
             prefix.truncate(request.slot, hit.length)
         else:
-            request.slot = self.cache.allocate()  # the least recently used free slot: evicted
+            request.slot = self.cache.allocate(prefix.victim(self.cache.free_slots))
             prefix.truncate(request.slot)
             if hit is not None:
                 self.cache.copy_prefix(hit.slot, request.slot, hit.length)
@@ -94,6 +94,7 @@ class Scheduler:
             self.running.remove(request)
             if self.prefix_cache is not None:
                 self.prefix_cache.update(request)
+                self.prefix_cache.freed(request.slot)
         elif request in self.waiting:
             self.waiting.remove(request)
         self.cache.free(request.slot)

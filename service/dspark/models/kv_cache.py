@@ -29,23 +29,25 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
-        # Least recently freed first: a freed slot keeps its KV valid until it is reused, and the
-        # prefix cache reads it, so the oldest is the one to give away.
-        self._free = list(range(num_slots))
+        self._free = list(range(num_slots - 1, -1, -1))
 
     @property
     def num_free_slots(self) -> int:
         return len(self._free)
 
+    @property
+    def free_slots(self) -> list[int]:
+        return list(self._free)
+
     def is_free(self, slot: int) -> bool:
         return slot in self._free
 
     def allocate(self, slot: int | None = None) -> int:
-        """The least recently freed slot, or `slot` itself (a free one whose KV a request reuses)."""
+        """The lowest never-used or last-freed slot (a steady load keeps slots adjacent), or `slot`."""
         if not self._free:
             raise RuntimeError("no free KV slot")
         if slot is None:
-            return self._free.pop(0)
+            return self._free.pop()
         self._free.remove(slot)
         return slot
 
