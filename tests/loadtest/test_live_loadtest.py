@@ -166,3 +166,46 @@ def test_frontier_writes_png_and_points(server, tiers_file, tmp_path):
         "impossible",
     }
     assert (out / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_multi_turn_scenario_hits_the_prefix_cache(server, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    locustfile = Path(__file__).parents[2] / "loadtest" / "multiturn_locustfile.py"
+    report = tmp_path / "multiturn.json"
+    before = httpx.get(server.base + "/metrics").text
+    subprocess.run(
+        [sys.executable, "-m", "locust", "-f", str(locustfile), "--headless", "--host", server.base]
+        + [
+            "-u",
+            "2",
+            "-r",
+            "2",
+            "--run-time",
+            "12s",
+            "--turns",
+            "3",
+            "--chat-max-tokens",
+            "8",
+            "--system-words",
+            "0",
+        ]
+        + ["--multiturn-report", str(report)],
+        env={**os.environ, "DSPARK_API_KEY": API_KEY},
+        check=False,
+        timeout=120,
+    )
+    turns = json.loads(report.read_text())["turns"]
+    assert turns["0"]["n"] > 0 and turns["1"]["n"] > 0 and turns["1"]["p50"] > 0
+    after = httpx.get(server.base + "/metrics").text
+
+    def hits(text: str) -> float:
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("vllm:prefix_cache_hits_total")
+        )
+
+    assert hits(after) - hits(before) > 0  # later turns reuse earlier turns' KV
