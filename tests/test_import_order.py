@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("dspark.serving", "dspark.training", "dspark.calibration"),
     ("dspark.bench", "dspark_loadtest"),  # measure the layers below
     ("dspark.commands",),
-    ("dspark.cli", "locustfile"),
+    ("dspark.cli", "locustfile", "multiturn_locustfile"),
 ]
 # The operator image has no torch: the operator reads the SPS profile format and nothing else.
 OPERATOR_MAY_IMPORT = {"dspark", "dspark.sps_format", "dspark.validation"}
