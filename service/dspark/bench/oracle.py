@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from dspark.builder import sibling_engine
-from dspark.engine.drafter import DraftBlock, Drafter
+from dspark.engine.drafter import DraftBlock, Drafter, WrappingDrafter
 from dspark.engine.drafting import Draft, draft_lists
 from dspark.engine.llm_engine import LLMEngine
 from dspark.engine.model_runner import ModelRunner
@@ -42,31 +42,14 @@ class OraclePolicy(StaticPolicy):
         self.name = ORACLE
 
 
-class OracleDrafter(Drafter):
+class OracleDrafter(WrappingDrafter):
     """`inner`'s drafts, each usable only as far as the target accepts it. `untimed_s` counts the
     seconds of the probing forwards, which a benchmark's clock leaves out (`ClosedLoop` does)."""
 
     def __init__(self, inner: Drafter, runner: ModelRunner | None = None) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.runner = runner  # the engine's; set once the engine exists
-        self.name = inner.name
-        self.gamma = inner.gamma
-        self.target_layers = inner.target_layers
-        self.device = inner.device
-        self.gives_confidences = inner.gives_confidences
         self.untimed_s = 0.0
-
-    def admit(self, request: Request) -> None:
-        self.inner.admit(request)
-
-    def context_limit(self, slot: int) -> int | None:
-        return self.inner.context_limit(slot)
-
-    def release(self, request: Request) -> None:
-        self.inner.release(request)
-
-    def commit(self, requests: Sequence[Request], features: Sequence[torch.Tensor | None]) -> None:
-        self.inner.commit(requests, features)
 
     def propose(
         self, requests: Sequence[Request], sampling: SamplingTensors, horizon: int | None = None

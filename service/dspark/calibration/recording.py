@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from dspark.calibration.rounds import RoundLog
-from dspark.engine.drafter import DraftBlock, Drafter
+from dspark.engine.drafter import DraftBlock, Drafter, WrappingDrafter
 from dspark.engine.request import Request
 from dspark.engine.sampler import SamplingTensors
 from dspark.engine.sampling_params import SamplingParams
@@ -32,16 +32,11 @@ class _Pending:
     confidences: torch.Tensor | None  # [R, gamma] on the drafter's device
 
 
-class RecordingDrafter(Drafter):
+class RecordingDrafter(WrappingDrafter):
     """Delegates to `inner`; records (raw confidence logits, verified, accepted) per request and round."""
 
     def __init__(self, inner: Drafter) -> None:
-        self.inner = inner
-        self.name = inner.name
-        self.gamma = inner.gamma
-        self.target_layers = inner.target_layers
-        self.device = inner.device
-        self.gives_confidences = inner.gives_confidences
+        super().__init__(inner)
         self._pending: list[_Pending] = []
         self._logits: list[np.ndarray] = []
         self._accepted: list[int] = []
@@ -50,18 +45,6 @@ class RecordingDrafter(Drafter):
 
     def fresh_copy(self) -> RecordingDrafter:
         return RecordingDrafter(self.inner.fresh_copy())
-
-    def admit(self, request: Request) -> None:
-        self.inner.admit(request)
-
-    def context_limit(self, slot: int) -> int | None:
-        return self.inner.context_limit(slot)
-
-    def release(self, request: Request) -> None:
-        self.inner.release(request)
-
-    def commit(self, requests: Sequence[Request], features: Sequence[torch.Tensor | None]) -> None:
-        self.inner.commit(requests, features)
 
     def propose(
         self, requests: Sequence[Request], sampling: SamplingTensors, horizon: int | None = None

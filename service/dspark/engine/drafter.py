@@ -71,3 +71,28 @@ class Drafter(ABC):
 
         `horizon` (<= gamma; None = gamma) is the most the engine will verify this step: a drafter
         may stop there and return a block that many positions wide."""
+
+
+class WrappingDrafter(Drafter):
+    """A drafter that adds to `inner`'s proposals (benchmark oracles, recorders): it takes inner's
+    identity and passes every lifecycle call through; subclasses override `propose`."""
+
+    def __init__(self, inner: Drafter) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.gamma = inner.gamma
+        self.target_layers = inner.target_layers
+        self.device = inner.device
+        self.gives_confidences = inner.gives_confidences
+
+    def admit(self, request: Request) -> None:
+        self.inner.admit(request)
+
+    def context_limit(self, slot: int) -> int | None:
+        return self.inner.context_limit(slot)
+
+    def release(self, request: Request) -> None:
+        self.inner.release(request)
+
+    def commit(self, requests: Sequence[Request], features: Sequence[torch.Tensor | None]) -> None:
+        self.inner.commit(requests, features)
