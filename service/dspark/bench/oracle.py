@@ -86,8 +86,9 @@ class OracleEngine(LLMEngine):
 
     @classmethod
     def of(cls, engine: LLMEngine, **config_updates) -> OracleEngine:
-        """A sibling of `engine` (same weights and drafter, own KV cache) under the oracle."""
-        drafter = OracleDrafter(engine.drafter)
+        """A sibling of `engine` under the oracle: same weights, its own KV cache and its own copy of
+        the drafter (a drafter keeps per-slot context that two engines' slots would collide in)."""
+        drafter = OracleDrafter(engine.drafter.fresh_copy())
         oracle = sibling_engine(engine, drafter, OraclePolicy(), engine_type=cls, **config_updates)
         drafter.runner = oracle.runner
         return oracle
