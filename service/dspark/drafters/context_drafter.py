@@ -35,6 +35,8 @@ class ContextDrafter(Drafter):
             source, length = request.prefix_source
             self.write_pending()  # the source's context must be stored before it is copied
             self.store.copy_prefix(self._holder[source], rid, length)
+        if request.slot < 0:  # no KV slot (a drafter driven without an engine): nothing to keep
+            return
         self._drop_kept(request.slot)  # the slot's old KV is being overwritten
         self._holder[request.slot] = rid
         self._slot_of[rid] = request.slot
