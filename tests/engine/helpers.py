@@ -80,6 +80,16 @@ def engine_on(model_dir, drafter: Drafter, policy: str, tokenizer=None, **config
     )
 
 
+def shipped_dspark_drafter(engine: LLMEngine) -> Drafter:
+    """The target's shipped DSpark drafter over `engine`'s weights (fp32, CPU), for real-model tests."""
+    from dspark.drafters.checkpoint import SharedWeights
+    from dspark.drafters.factory import load_drafter
+
+    model = engine.model
+    shared = SharedWeights(model.model.embed_tokens.weight, model.lm_head.weight)
+    return load_drafter("dspark", model.config, torch.device("cpu"), torch.float32, shared=shared)
+
+
 def reference_logits(logits: torch.Tensor, prompt: list[int], output: list[int], params) -> torch.Tensor:
     """Processed logits of one position, token by token (independent of `logits_processors`):
     logit_bias, repetition over prompt + output, frequency and presence over the output."""

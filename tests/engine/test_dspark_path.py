@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from dspark.builder import sibling_engine
-from dspark.drafters.checkpoint import SharedWeights
-from dspark.drafters.factory import load_drafter
 from dspark.drafters.ngram import NoDrafter
 from dspark.engine.prompt import encode_prompt
 from dspark.engine.sampling_params import SamplingParams
@@ -15,7 +12,7 @@ from dspark.profiling.synthetic import synthetic_profile
 from dspark.prompts.builtin import BUILTIN_PROMPTS
 from transformers import AutoTokenizer
 
-from tests.engine.helpers import engine_on
+from tests.engine.helpers import engine_on, shipped_dspark_drafter
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 
@@ -24,14 +21,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 def engines(smollm_dir):
     tokenizer = AutoTokenizer.from_pretrained(smollm_dir)
     plain = engine_on(smollm_dir, NoDrafter(), "none", tokenizer, max_num_seqs=8)
-    model = plain.model
-    drafter = load_drafter(
-        "dspark",
-        model.config,
-        torch.device("cpu"),
-        torch.float32,
-        shared=SharedWeights(model.model.embed_tokens.weight, model.lm_head.weight),
-    )
+    drafter = shipped_dspark_drafter(plain)
     prompts = [encode_prompt(tokenizer, t) for t in BUILTIN_PROMPTS["code"][:3] + BUILTIN_PROMPTS["math"][:3]]
     return plain, drafter, prompts
 

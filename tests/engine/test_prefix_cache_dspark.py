@@ -5,18 +5,15 @@ collapse on hits, the failure vLLM #47930 describes)."""
 from __future__ import annotations
 
 import pytest
-import torch
 from dspark.builder import sibling_engine
-from dspark.drafters.checkpoint import SharedWeights
 from dspark.drafters.context_store import ContextStore
-from dspark.drafters.factory import load_drafter
 from dspark.drafters.ngram import NoDrafter
 from dspark.engine.sampling_params import SamplingParams
 from dspark.policies.factory import build_policy
 from dspark.prompts.builtin import BUILTIN_PROMPTS
 from transformers import AutoTokenizer
 
-from tests.engine.helpers import engine_on
+from tests.engine.helpers import engine_on, shipped_dspark_drafter
 
 SYSTEM = (
     "You are a careful assistant for a software team. Answer briefly, give code when it helps, "
@@ -29,14 +26,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 def setup(smollm_dir):
     tokenizer = AutoTokenizer.from_pretrained(smollm_dir)
     plain = engine_on(smollm_dir, NoDrafter(), "none", tokenizer, max_num_seqs=4, prefix_caching=False)
-    model = plain.model
-    drafter = load_drafter(
-        "dspark",
-        model.config,
-        torch.device("cpu"),
-        torch.float32,
-        shared=SharedWeights(model.model.embed_tokens.weight, model.lm_head.weight),
-    )
+    drafter = shipped_dspark_drafter(plain)
     return plain, drafter, tokenizer
 
 
