@@ -19,7 +19,7 @@ from dspark.models.forward_batch import ForwardBatch, ShortGroup
 from dspark.models.kv_cache import KVCache
 from dspark.models.norm import RMSNorm
 from dspark.models.rotary import RotaryEmbedding, apply_rotary
-from dspark.models.sdpa import attention, fold_query_heads, without_cudnn_attention
+from dspark.models.sdpa import attention, without_cudnn_attention
 
 
 class Attention(nn.Module):
@@ -92,28 +92,8 @@ def _attend_short(
         queries = q.new_zeros(g.num_rows, g.max_new, *q.shape[1:])
         queries[g.rows, g.cols] = q[g.tokens]
     keys, values = k_cache[g.slots, :, : g.max_len], v_cache[g.slots, :, : g.max_len]  # a view for a slice
-    if q.device.type == "cpu":
-        out = _grouped_attention(queries.transpose(1, 2), keys, values, g.mask)
-    else:
-        out = attention(queries.transpose(1, 2), keys, values, g.mask)
-    out = out.transpose(1, 2)
+    out = attention(queries.transpose(1, 2), keys, values, g.mask).transpose(1, 2)
     return out.reshape(-1, *q.shape[1:]) if g.dense else out[g.rows, g.cols]
-
-
-def _grouped_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
-) -> torch.Tensor:
-    """Masked GQA attention as two batched matmuls, softmax in fp32.
-
-    q [R, H, n, hd], k/v [R, KVH, L, hd], mask [R, 1, n, L]. On CPU, SDPA's flash kernel is
-    about 8x slower than this for the few-query, many-row shapes of decode and verification.
-    """
-    queries, mask = fold_query_heads(q, mask, k.shape[1])
-    scores = torch.matmul(queries, k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5
-    if mask is not None:
-        scores = torch.where(mask, scores, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.matmul(probs, v).reshape(q.shape)
 
 
 def _causal_mask(start: int, n: int, device: torch.device) -> torch.Tensor:
