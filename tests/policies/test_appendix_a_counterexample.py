@@ -47,7 +47,7 @@ def per_round(schedule) -> torch.Tensor:
 
 def test_causal_greedy_stays_lossless_and_never_admits_x1() -> None:
     tokens, conf = draw_rounds(seed=1)
-    policy = DSparkPolicy(appendix_profile(), refine=False)
+    policy = DSparkPolicy(appendix_profile())
     lengths = per_round(lambda c: policy.verify_lengths(c, 2, 1))(conf)
     assert lengths.eq(0).all()  # Theta_1 = 0.9 < Theta_0 = 1.0: break before c_2 is looked at
     freq = first_token_frequencies(tokens, lengths, seed=2)
@@ -67,9 +67,9 @@ def test_retrospective_global_search_is_biased_to_085() -> None:
 
 def test_async_capacity_from_two_steps_earlier_stays_lossless() -> None:
     tokens, conf = draw_rounds(seed=5)
-    policy = DSparkAsyncPolicy(appendix_profile(), refine=False)
+    policy = DSparkAsyncPolicy(appendix_profile())
     lengths = per_round(lambda c: policy.verify_lengths(c, 2, 1))(conf)
-    assert policy.ranking.warmup_steps == 2
+    assert policy.split.warmup_steps == 2
     admitted = lengths[2:] > 0
     # x_1 is verified in about half the rounds (whenever x_1 two rounds back was A) ...
     assert 0.45 < admitted.double().mean().item() < 0.55

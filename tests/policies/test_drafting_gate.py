@@ -5,11 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from dspark.engine.policy_spec import PolicySettings
 from dspark.engine.survival import survival_probabilities
+from dspark.policies import drafting_gate
 from dspark.policies.acceptance_scale import AcceptanceScale
 from dspark.policies.drafting_gate import DraftCost, DraftingGate
 from dspark.policies.dspark import DSparkAsyncPolicy, DSparkPolicy
-from dspark.policies.ranking import prefix_greedy_lengths, ranked_candidates
+from dspark.policies.ranking import prefix_greedy_lengths
 from dspark.policies.sps_curve import OnlineSps, table_lookup
 from dspark.profiling.synthetic import synthetic_profile
 
@@ -18,21 +20,34 @@ from tests.policies.helpers import step_stats
 # Forward: 2 ms + 40 us per token, so 16 requests take ~2.6 ms to verify one token each.
 PROFILE = synthetic_profile(max_batch_tokens=512, fixed_ms=2.0, per_token_us=40.0, tile=64, tile_ms=0.3)
 FORWARD = table_lookup(PROFILE)
+ONE_STEP = PolicySettings(memory_rows=16)  # one step's rows are enough evidence here
+
+
+def gate_with(**settings) -> DraftingGate:
+    return DraftingGate(PolicySettings(**settings))
+
+
+def horizon(
+    gate: DraftingGate, num_requests: int, other_s: float, plain_other_s: float | None, horizons
+) -> int:
+    """The gate's horizon when a drafted step spends `other_s` besides its forward and drafting,
+    and an undrafted one `plain_other_s` (None: not measured yet)."""
+    gate.other_s, gate.plain_other_s = other_s, plain_other_s
+    return gate.draft_horizon(num_requests, FORWARD, horizons)
 
 
 def drafts(gate: DraftingGate, num_requests: int, other_s: float, plain_other_s: float | None) -> bool:
     """Whether the gate drafts the 7 positions the tests' rows hold (or fewer: as many as they hold)."""
-    return gate.draft_horizon(num_requests, FORWARD, other_s, plain_other_s, [7]) > 0
+    return horizon(gate, num_requests, other_s, plain_other_s, [7]) > 0
 
 
 def expected_rate(pool, num_requests: int, fixed_s: float) -> float:
     """The gate's expected rate drafting for `num_requests` requests like the `pool` rows."""
-    pool = np.asarray(pool, dtype=np.float64)
-    return DraftingGate.ranked_rate(ranked_candidates(pool)[0], pool.shape[0], num_requests, FORWARD, fixed_s)
+    return drafting_gate.expected_rate(np.asarray(pool, dtype=np.float64), num_requests, FORWARD, fixed_s)
 
 
 def test_draft_cost_interpolates_between_measured_batch_sizes_and_is_flat_outside() -> None:
-    cost = DraftCost()
+    cost = DraftCost(0.2)
     assert cost.seconds(4) is None
     cost.observe(2, 0.010)
     cost.observe(10, 0.050)
@@ -45,7 +60,7 @@ def test_draft_cost_interpolates_between_measured_batch_sizes_and_is_flat_outsid
 
 
 def test_draft_cost_is_kept_per_horizon_and_interpolated_between_horizons() -> None:
-    cost = DraftCost()
+    cost = DraftCost(0.2)
     cost.observe(4, 0.004, horizon=1)
     cost.observe(4, 0.008, horizon=7)
     assert cost.seconds(4, 1) == pytest.approx(0.004) and cost.seconds(4, 7) == pytest.approx(0.008)
@@ -57,40 +72,40 @@ def test_draft_cost_is_kept_per_horizon_and_interpolated_between_horizons() -> N
 
 
 def test_gate_drafts_the_narrower_horizon_when_the_last_position_does_not_pay() -> None:
-    gate = DraftingGate(memory_rows=16, reuse_steps=1)  # every call judges afresh
+    gate = gate_with(memory_rows=16, reuse_steps=1)  # every call judges afresh
     # Position 2 is almost never accepted and drafting it costs 2 ms more.
     gate.remember(torch.tensor([[0.9, 0.01]] * 16, dtype=torch.float64))
     gate.cost.observe(16, 0.0002, horizon=1)
     gate.cost.observe(16, 0.0022, horizon=2)
-    assert gate.draft_horizon(16, FORWARD, 0.001, 0.001, [1, 2]) == 1
+    assert horizon(gate, 16, 0.001, 0.001, [1, 2]) == 1
     # Position 2 as likely as position 1 and no dearer: the wider horizon.
     gate.remember(torch.tensor([[0.9, 0.9]] * 16, dtype=torch.float64))
     gate.cost._by_horizon[16][2] = 0.0002
-    assert gate.draft_horizon(16, FORWARD, 0.001, 0.001, [1, 2]) == 2
+    assert horizon(gate, 16, 0.001, 0.001, [1, 2]) == 2
     # Neither beats plain decoding: skip.
     gate.cost._by_horizon[16].update({1: 0.05, 2: 0.05})
-    assert gate.draft_horizon(16, FORWARD, 0.001, 0.001, [1, 2]) == 0
+    assert horizon(gate, 16, 0.001, 0.001, [1, 2]) == 0
 
 
 def test_gate_drafts_a_horizon_wider_than_its_rows_when_drafting_pays_so_it_gets_judged() -> None:
-    gate = DraftingGate(memory_rows=16, reuse_steps=1)
+    gate = gate_with(memory_rows=16, reuse_steps=1)
     gate.remember(torch.full((16, 2), 0.9, dtype=torch.float64))
     gate.cost.observe(16, 0.0002, horizon=2)
-    assert gate.draft_horizon(16, FORWARD, 0.001, 0.001, [2, 3]) == 3
+    assert horizon(gate, 16, 0.001, 0.001, [2, 3]) == 3
     gate.cost._by_horizon[16][2] = 0.05  # drafting does not pay at all
-    assert gate.draft_horizon(16, FORWARD, 0.001, 0.001, [2, 3]) == 0
+    assert horizon(gate, 16, 0.001, 0.001, [2, 3]) == 0
 
 
 def test_gate_reuses_a_horizons_expected_rate_for_reuse_steps_evaluations() -> None:
-    gate = DraftingGate(memory_rows=16, reuse_steps=3)
+    gate = gate_with(memory_rows=16, reuse_steps=3)
     gate.remember(torch.full((16, 2), 0.9, dtype=torch.float64))
     gate.cost.observe(16, 0.0002, horizon=2)
-    assert gate.draft_horizon(16, FORWARD, 0.001, 0.001, [2]) == 2
+    assert horizon(gate, 16, 0.001, 0.001, [2]) == 2
     gate.cost._by_horizon[16][2] = 0.05  # drafting stops paying: seen at the third evaluation on
-    decisions = [gate.draft_horizon(16, FORWARD, 0.001, 0.001, [2]) for _ in range(4)]
+    decisions = [horizon(gate, 16, 0.001, 0.001, [2]) for _ in range(4)]
     assert decisions == [2, 2, 0, 0]
     # Another R is judged afresh (drafting costs 0.0002 s at R = 8).
-    assert gate.draft_horizon(8, FORWARD, 0.001, 0.001, [2]) == 2
+    assert horizon(gate, 8, 0.001, 0.001, [2]) == 2
 
 
 def test_gate_drafts_until_it_has_measured_costs_and_confidences() -> None:
@@ -103,7 +118,7 @@ def test_gate_drafts_until_it_has_measured_costs_and_confidences() -> None:
 
 def test_gate_drafts_until_it_remembers_memory_rows_of_confidences() -> None:
     """One unlucky first draft (or a cold first drafting time) must not switch drafting off."""
-    gate = DraftingGate(memory_rows=64)
+    gate = gate_with(memory_rows=64)
     gate.cost.observe(16, 0.005)  # twice the forward
     for _ in range(3):
         gate.remember(torch.full((16, 7), 0.3, dtype=torch.float64))
@@ -113,12 +128,12 @@ def test_gate_drafts_until_it_remembers_memory_rows_of_confidences() -> None:
 
 
 def test_gate_skips_expensive_drafting_of_unlikely_tokens_and_keeps_cheap_likely_drafts() -> None:
-    expensive = DraftingGate(memory_rows=16)
+    expensive = gate_with(memory_rows=16)
     expensive.cost.observe(16, 0.005)  # twice the forward
     expensive.remember(torch.full((16, 7), 0.3, dtype=torch.float64))
     assert not drafts(expensive, 16, 0.001, 0.001)
 
-    cheap = DraftingGate(memory_rows=16)
+    cheap = gate_with(memory_rows=16)
     cheap.cost.observe(16, 0.0002)
     cheap.remember(torch.full((16, 7), 0.9, dtype=torch.float64))
     assert drafts(cheap, 16, 0.001, 0.001)
@@ -131,10 +146,10 @@ def test_gate_decision_matches_the_expected_rates() -> None:
     plain = 8 / (other + 1 / float(FORWARD(torch.tensor([8]))[0]))
     decisions = []
     for draft_s in (1e-4, 1e-3, 3e-3, 1e-2, 3e-2):
-        gate = DraftingGate(memory_rows=8)
+        gate = gate_with(memory_rows=8)
         gate.cost.observe(8, draft_s)
         gate.remember(conf)
-        expected = expected_rate(conf, 8, other + draft_s) > plain * (1 + gate.min_gain)
+        expected = expected_rate(conf, 8, other + draft_s) > plain * (1 + gate.settings.min_gain)
         decisions.append(drafts(gate, 8, other, other))
         assert decisions[-1] == expected
     assert decisions[0] and not decisions[-1]
@@ -158,7 +173,7 @@ def test_expected_rate_is_algorithm_1s_objective_on_the_pooled_rows() -> None:
 
 
 def test_gate_explores_after_a_run_of_skipped_steps() -> None:
-    gate = DraftingGate(explore_every=3, memory_rows=16, reuse_steps=1)
+    gate = gate_with(explore_every=3, memory_rows=16, reuse_steps=1)
     gate.cost.observe(16, 0.01)
     gate.remember(torch.full((16, 7), 0.1, dtype=torch.float64))
     decisions = [drafts(gate, 16, 0.001, 0.001) for _ in range(25)]
@@ -180,7 +195,7 @@ def test_gate_explores_after_a_run_of_skipped_steps() -> None:
 def test_exploration_is_counted_per_request_count() -> None:
     """Steps at another R, where drafting pays (a closed loop's dip while a finished request's
     successor prefills), neither reset nor advance the exploration interval at 16 requests."""
-    gate = DraftingGate(explore_every=3, memory_rows=16, reuse_steps=1)
+    gate = gate_with(explore_every=3, memory_rows=16, reuse_steps=1)
     gate.cost.observe(16, 0.01)
     gate.cost.observe(1, 1e-6)
     gate.remember(torch.full((16, 7), 0.1, dtype=torch.float64))
@@ -195,7 +210,7 @@ def test_exploration_is_counted_per_request_count() -> None:
 def test_exploration_at_one_request_renews_a_quarter_of_the_pool() -> None:
     """At one request an explored step adds one row: the gate drafts a burst of memory_rows / 4
     steps, enough for better confidences (the load changed) to switch drafting back on."""
-    gate = DraftingGate(explore_every=4, memory_rows=64)
+    gate = gate_with(explore_every=4, memory_rows=64)
     gate.cost.observe(1, 0.0005)
     for _ in range(64):
         gate.remember(torch.full((1, 7), 0.05, dtype=torch.float64))
@@ -210,7 +225,7 @@ def test_exploration_at_one_request_renews_a_quarter_of_the_pool() -> None:
 
 
 def test_pool_keeps_the_newest_steps_covering_memory_rows_zero_padded() -> None:
-    gate = DraftingGate(memory_rows=3)
+    gate = gate_with(memory_rows=3)
     gate.remember(torch.tensor([[0.1, 0.2]], dtype=torch.float64))
     gate.remember(torch.tensor([[0.5], [0.6]], dtype=torch.float64))
     assert gate._pool.tolist() == [[0.1, 0.2], [0.5, 0.0], [0.6, 0.0]]
@@ -225,7 +240,7 @@ def test_pool_keeps_the_newest_steps_covering_memory_rows_zero_padded() -> None:
     for width in (3, 1, 2, 2, 1, 1, 1):
         steps.append(torch.rand(int(torch.randint(1, 3, (1,), generator=rng)), width, generator=rng).double())
         gate.remember(steps[-1])
-        while sum(c.shape[0] for c in steps) - steps[0].shape[0] >= gate.memory_rows:
+        while sum(c.shape[0] for c in steps) - steps[0].shape[0] >= gate.settings.memory_rows:
             steps.pop(0)
         widest = max(c.shape[1] for c in steps)
         rebuilt = torch.cat([torch.nn.functional.pad(c, (0, widest - c.shape[1])) for c in steps])
@@ -234,8 +249,7 @@ def test_pool_keeps_the_newest_steps_covering_memory_rows_zero_padded() -> None:
 
 @pytest.mark.parametrize("make", [DSparkPolicy, DSparkAsyncPolicy])
 def test_policies_stop_drafting_when_drafting_costs_more_than_it_returns(make) -> None:
-    policy = make(PROFILE)
-    policy.gate.memory_rows = 16  # one step's rows are enough evidence here
+    policy = make(OnlineSps(PROFILE), ONE_STEP)
     low = torch.full((16, 7), 0.2, dtype=torch.float64)
     assert policy.max_length(7, 16) == 7  # nothing measured: draft
     policy.verify_lengths(low, 7, 16)
@@ -244,50 +258,48 @@ def test_policies_stop_drafting_when_drafting_costs_more_than_it_returns(make) -
         policy.observe_step(step_stats(16, 1 / PROFILE.sps(16.0), 0.0005, draft_s=0.010, drafted_requests=16))
     assert policy.max_length(7, 16) == 0
     assert policy.gate.skipped_steps == 1
-    # A fixed curve (refine=False) learns no costs, so it keeps drafting.
-    frozen = make(PROFILE, refine=False)
+    # A fixed curve learns no costs, so it keeps drafting.
+    frozen = make(PROFILE)
     frozen.verify_lengths(low, 7, 16)
     frozen.observe_step(step_stats(16, 1.0, 0.0005, draft_s=0.010, drafted_requests=16))
     assert frozen.max_length(7, 16) > 0
 
 
 def test_async_policy_warms_up_again_after_skipped_steps() -> None:
-    policy = DSparkAsyncPolicy(PROFILE)
-    policy.gate.memory_rows = 16  # one step's rows are enough evidence here
+    policy = DSparkAsyncPolicy(OnlineSps(PROFILE), ONE_STEP)
     high = torch.full((16, 7), 0.9, dtype=torch.float64)
     for _ in range(3):
         policy.verify_lengths(high, 7, 16)
-    warm = policy.ranking.warmup_steps
+    warm = policy.split.warmup_steps
     policy.gate.cost.observe(16, 1.0)
     assert policy.max_length(7, 16) == 0
-    policy.gate = DraftingGate(memory_rows=16)  # nothing measured again: drafts
+    policy.gate = DraftingGate(ONE_STEP)  # nothing measured again: drafts
     assert policy.max_length(7, 16) > 0
     policy.verify_lengths(high, 7, 16)  # capacity from the step before the skip
-    assert policy.ranking.warmup_steps == warm == 2
+    assert policy.split.warmup_steps == warm == 2
     policy.verify_lengths(high, 7, 16)  # the skipped step is two steps back: Algorithm 1 instead
-    assert policy.ranking.warmup_steps == 3
+    assert policy.split.warmup_steps == 3
 
 
 def test_plain_steps_overhead_is_measured_on_a_skipped_step_and_used_for_the_comparison() -> None:
-    policy = DSparkPolicy(PROFILE)
-    policy.gate.memory_rows = 16  # one step's rows are enough evidence here
+    policy = DSparkPolicy(OnlineSps(PROFILE), ONE_STEP)
     high = torch.full((16, 7), 0.6, dtype=torch.float64)
     assert policy.max_length(7, 16) == 7
     policy.verify_lengths(high, 7, 16)
     # Drafted steps: accepting their tokens costs 2 ms besides a cheap 0.5 ms drafting.
     policy.observe_step(step_stats(16, 1 / PROFILE.sps(16.0), 0.002, draft_s=0.0005, drafted_requests=16))
-    assert policy.costs.plain_other_s is None
+    assert policy.gate.plain_other_s is None
     assert policy.max_length(7, 16) == 0  # one undrafted step, to measure it
     policy.observe_step(step_stats(16, 1 / PROFILE.sps(16.0), 0.0001))
-    assert policy.costs.plain_other_s == pytest.approx(0.0001) and policy.costs.other_s > 0
+    assert policy.gate.plain_other_s == pytest.approx(0.0001) and policy.gate.other_s > 0
     gate = policy.gate
-    with_draft = expected_rate(gate._pool, 16, policy.costs.other_s + gate.cost.seconds(16))
+    with_draft = expected_rate(gate._pool, 16, gate.other_s + gate.cost.seconds(16))
     plain = 16 / (0.0001 + 1 / float(FORWARD(torch.tensor([16]))[0]))
-    assert (policy.max_length(7, 16) > 0) == (with_draft > plain * (1 + gate.min_gain))
+    assert (policy.max_length(7, 16) > 0) == (with_draft > plain * (1 + gate.settings.min_gain))
 
 
 def test_acceptance_scale_tracks_observed_over_predicted_per_position_and_rescales_survival() -> None:
-    scale = AcceptanceScale(decay=0.98, prior_tokens=5.0)
+    scale = AcceptanceScale(PolicySettings(acceptance_decay=0.98, acceptance_prior_tokens=5.0))
     assert scale.factors(1)[0] == 1.0
     for _ in range(300):
         # Position 1 promised twice what it returns, position 2 half; position 3 never verified.
@@ -308,7 +320,7 @@ def test_acceptance_scale_forgets_per_request_round_not_per_step() -> None:
     """At one request, position 2 predicts about 0.1 tokens a step: a window of 50 steps (the old
     per-step forgetting, 0.98) holds 5 predicted tokens, so the 5-token prior kept its factor near
     1 however little was accepted. Forgetting per request round gathers the evidence."""
-    per_round, per_step = AcceptanceScale(), AcceptanceScale(decay=0.98)
+    per_round, per_step = AcceptanceScale(), AcceptanceScale(PolicySettings(acceptance_decay=0.98))
     for _ in range(2000):  # one request a step; position 2 promises 0.1 and returns nothing
         per_round.observe(predicted=[0.5, 0.1], accepted=[1, 0], rounds=1)
         per_step.observe(predicted=[0.5, 0.1], accepted=[1, 0], rounds=1)
@@ -322,8 +334,7 @@ def test_acceptance_scale_forgets_per_request_round_not_per_step() -> None:
 
 def test_over_confident_drafts_stop_being_verified_and_drafted() -> None:
     """Steps whose drafts are accepted far less often than predicted teach the policy to verify less."""
-    policy = DSparkPolicy(PROFILE)
-    policy.gate.memory_rows = 16  # one step's rows are enough evidence here
+    policy = DSparkPolicy(OnlineSps(PROFILE), ONE_STEP)
     conf = torch.full((16, 7), 0.8, dtype=torch.float64)
     before = int(policy.verify_lengths(conf, 7, 16).sum())
     for _ in range(100):
@@ -342,9 +353,8 @@ def test_a_slowdown_seen_only_on_undrafted_steps_does_not_make_drafting_look_che
     otherwise plain decoding looks slow next to stale drafting costs and the gate flips. (The
     scheduler's right envelope of the curve also keeps B = 16 from looking slower than the
     stale larger drafted batch, so the drift is checked on the curve itself too.)"""
-    curve = OnlineSps(PROFILE, drift_alpha=0.1)
-    policy = DSparkPolicy(curve)
-    policy.gate.memory_rows = 16
+    curve = OnlineSps(PROFILE, PolicySettings(sps_drift_alpha=0.1))
+    policy = DSparkPolicy(curve, ONE_STEP)
     conf = torch.full((16, 7), 0.3, dtype=torch.float64)
     policy.verify_lengths(conf, 7, 16)
     budget = int(policy.verify_lengths(conf, 7, 16).sum())

@@ -6,10 +6,11 @@ import logging
 
 import pytest
 import torch
+from dspark.engine.policy_spec import PolicySettings
+from dspark.policies.baselines import ThresholdPolicy
 from dspark.policies.dspark import DSparkAsyncPolicy, DSparkPolicy
 from dspark.policies.ranking import global_argmax_lengths, prefix_greedy_lengths, topk_survival
 from dspark.policies.sps_curve import OnlineSps
-from dspark.policies.threshold import ThresholdPolicy
 from dspark.profiling.synthetic import synthetic_profile
 
 from tests.policies.helpers import profile, step_stats
@@ -22,7 +23,12 @@ def confidences(seed: int, rows: int = 16, gamma: int = 6) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "make", [lambda: DSparkPolicy(PROFILE), lambda: DSparkAsyncPolicy(PROFILE), lambda: ThresholdPolicy(0.5)]
+    "make",
+    [
+        lambda: DSparkPolicy(OnlineSps(PROFILE)),
+        lambda: DSparkAsyncPolicy(OnlineSps(PROFILE)),
+        lambda: ThresholdPolicy(0.5),
+    ],
 )
 def test_unusable_confidences_fall_back_with_one_warning_per_burst(make, caplog) -> None:
     policy = make()
@@ -43,16 +49,20 @@ def test_unusable_confidences_fall_back_with_one_warning_per_burst(make, caplog)
 
 def test_wrong_confidence_shape_is_an_error() -> None:
     with pytest.raises(ValueError, match=r"shape \(16, 6\), expected \(16, 5\)"):
-        DSparkPolicy(PROFILE).verify_lengths(confidences(0), 5, 16)
+        DSparkPolicy(OnlineSps(PROFILE)).verify_lengths(confidences(0), 5, 16)
 
 
 def test_lengths_are_cpu_int64_within_gamma() -> None:
-    for policy in (DSparkPolicy(PROFILE), DSparkAsyncPolicy(PROFILE), ThresholdPolicy(0.3)):
+    for policy in (
+        DSparkPolicy(OnlineSps(PROFILE)),
+        DSparkAsyncPolicy(OnlineSps(PROFILE)),
+        ThresholdPolicy(0.3),
+    ):
         for seed in range(4):
             lengths = policy.verify_lengths(confidences(seed).to(torch.bfloat16), 6, 16)
             assert lengths.dtype == torch.int64 and lengths.device.type == "cpu"
             assert int(lengths.min()) >= 0 and int(lengths.max()) <= 6
-    assert DSparkPolicy(PROFILE).verify_lengths(torch.empty(0, 6), 6, 0).tolist() == []
+    assert DSparkPolicy(OnlineSps(PROFILE)).verify_lengths(torch.empty(0, 6), 6, 0).tolist() == []
 
 
 def test_threshold_policy_matches_a_loop() -> None:
@@ -73,14 +83,14 @@ def test_threshold_outside_open_unit_interval_is_refused(bad: float) -> None:
 
 
 def test_dspark_policy_is_algorithm_1_on_its_sps_curve() -> None:
-    policy = DSparkPolicy(PROFILE, refine=False)
+    policy = DSparkPolicy(PROFILE)
     for seed in range(5):
         conf = confidences(seed)
         assert torch.equal(policy.verify_lengths(conf, 6, 16), prefix_greedy_lengths(conf, PROFILE.sps))
 
 
 def test_observe_step_refines_the_dspark_curve() -> None:
-    policy = DSparkPolicy(PROFILE)
+    policy = DSparkPolicy(OnlineSps(PROFILE))
     assert isinstance(policy.sps, OnlineSps)
     before = policy.verify_lengths(confidences(0), 6, 16).sum()
     # The node turns out 3x slower per token than profiled: verifying extra tokens costs more.
@@ -90,8 +100,8 @@ def test_observe_step_refines_the_dspark_curve() -> None:
     assert policy.sps.observations == 1000
     after = policy.verify_lengths(confidences(0), 6, 16).sum()
     assert after < before
-    # A fixed profile (refine=False) ignores step timings.
-    frozen = DSparkPolicy(PROFILE, refine=False)
+    # A fixed profile ignores step timings.
+    frozen = DSparkPolicy(PROFILE)
     frozen.observe_step(step_stats(64, 1.0))
     assert frozen.sps is PROFILE
 
@@ -99,35 +109,35 @@ def test_observe_step_refines_the_dspark_curve() -> None:
 def test_steps_carrying_prefills_are_timed_against_all_their_tokens() -> None:
     """A 16-request decode step that also prefilled 200 prompt tokens must not teach SPS(16) the
     prefill's cost, nor count the prefill's cache commits as step overhead."""
-    policy = DSparkPolicy(PROFILE)
+    policy = DSparkPolicy(OnlineSps(PROFILE))
     slow_216 = 1 / PROFILE.sps(216.0)
     for _ in range(50):
         policy.observe_step(step_stats(16, slow_216, 0.05, prefill_tokens=200))
     assert policy.sps.sps(16.0) == pytest.approx(PROFILE.sps(16.0), rel=1e-6)
     assert policy.sps.sps(216.0) == pytest.approx(PROFILE.sps(216.0), rel=0.02)
-    assert policy.costs.other_s == 0.0 and policy.costs.plain_other_s is None
+    assert policy.gate.other_s == 0.0 and policy.gate.plain_other_s is None
 
 
 def test_step_overhead_makes_verification_relatively_cheaper() -> None:
     """Drafting time is paid whatever is verified, so a slow drafter justifies verifying more."""
-    policy = DSparkPolicy(PROFILE)
+    policy = DSparkPolicy(OnlineSps(PROFILE))
     conf = confidences(0)
     before = policy.verify_lengths(conf, 6, 16).sum()
     for _ in range(100):
         policy.observe_step(step_stats(16, 1 / PROFILE.sps(16.0), 0.05, drafted_requests=16))
-    assert policy.costs.other_s == pytest.approx(0.05, rel=1e-3)
+    assert policy.gate.other_s == pytest.approx(0.05, rel=1e-3)
     after = policy.verify_lengths(conf, 6, 16).sum()
     assert after > before
-    frozen = DSparkPolicy(PROFILE, refine=False)
+    frozen = DSparkPolicy(PROFILE)
     frozen.observe_step(step_stats(16, 1.0, 0.05, drafted_requests=16))
-    assert frozen.costs.other_s == 0.0
+    assert frozen.gate.other_s == 0.0
 
 
 def test_async_uses_greedy_for_two_steps_then_capacity_from_two_steps_back() -> None:
-    policy = DSparkAsyncPolicy(PROFILE, refine=False)
+    policy = DSparkAsyncPolicy(PROFILE)
     confs = [confidences(seed, rows=16 + seed) for seed in range(5)]  # the request count changes
     out = [policy.verify_lengths(c, 6, c.shape[0]) for c in confs]
-    assert policy.ranking.warmup_steps == 2
+    assert policy.split.warmup_steps == 2
     for t in (0, 1):
         assert torch.equal(out[t], prefix_greedy_lengths(confs[t], PROFILE.sps))
     for t in (2, 3, 4):
@@ -140,7 +150,7 @@ def test_async_uses_greedy_for_two_steps_then_capacity_from_two_steps_back() -> 
 
 
 def test_async_after_a_fallback_step_schedules_causally_until_history_returns() -> None:
-    policy = DSparkAsyncPolicy(PROFILE, refine=False)
+    policy = DSparkAsyncPolicy(PROFILE)
     policy.verify_lengths(confidences(0), 6, 16)
     policy.verify_lengths(None, 6, 16)  # no confidences: nothing to derive a capacity from
     third = confidences(2)
@@ -148,11 +158,11 @@ def test_async_after_a_fallback_step_schedules_causally_until_history_returns() 
     assert torch.equal(policy.verify_lengths(third, 6, 16), topk_survival(third, capacity))
     fourth = confidences(3)
     assert torch.equal(policy.verify_lengths(fourth, 6, 16), prefix_greedy_lengths(fourth, PROFILE.sps))
-    assert policy.ranking.warmup_steps == 2  # step 1 and step 4
+    assert policy.split.warmup_steps == 2  # step 1 and step 4
 
 
 def test_async_capacity_shrinks_when_many_requests_join() -> None:
-    policy = DSparkAsyncPolicy(PROFILE, refine=False)
+    policy = DSparkAsyncPolicy(PROFILE)
     small = confidences(0, rows=2)
     policy.verify_lengths(small, 6, 2)
     policy.verify_lengths(small, 6, 2)
@@ -164,7 +174,7 @@ def test_async_capacity_shrinks_when_many_requests_join() -> None:
 
 @pytest.mark.parametrize("make", [DSparkPolicy, DSparkAsyncPolicy])
 def test_draft_horizon_is_one_past_the_previous_longest_length(make) -> None:
-    policy = make(PROFILE, refine=False)
+    policy = make(PROFILE)
     assert policy.max_length(6) == 6  # nothing scheduled yet: the whole block
     low = torch.full((16, 6), 0.02, dtype=torch.float64)  # nothing worth verifying
     assert int(policy.verify_lengths(low, 6, 16).max()) == 0
@@ -177,13 +187,12 @@ def test_draft_horizon_is_one_past_the_previous_longest_length(make) -> None:
 @pytest.mark.parametrize("make", [DSparkPolicy, DSparkAsyncPolicy])
 def test_a_skipped_step_keeps_the_draft_horizon(make) -> None:
     """Not drafting one step says nothing about how far to draft the next: no full-block redraft."""
-    policy = make(PROFILE, refine=False)
-    policy.gate.memory_rows = 16
+    policy = make(PROFILE, PolicySettings(memory_rows=16))
     two = torch.tensor([[0.99, 0.99] + [0.001] * 5] * 16, dtype=torch.float64)
     assert int(policy.verify_lengths(two, 7, 16).max()) == 2
     policy.gate.cost.observe(16, 1e-6)
     assert policy.max_length(7, 16) == 0  # the gate measures one undrafted step first
-    policy.costs.plain_other_s = 1e-4
+    policy.gate.plain_other_s = 1e-4
     assert policy.max_length(7, 16) in (2, 3)
 
 
@@ -193,7 +202,7 @@ def test_algorithm_1_is_not_stopped_by_an_inverted_profile_point(make) -> None:
     envelope, the early break does not stop at that false cliff; a real drop still stops it."""
     flat = {b: 100.0 for b in range(1, 17)}
     conf = torch.full((4, 3), 0.9, dtype=torch.float64)
-    inverted = make(profile(flat | {5: 50.0}), refine=False)
+    inverted = make(profile(flat | {5: 50.0}))
     assert int(inverted.verify_lengths(conf, 3, 4).sum()) == 12  # flat everywhere else: verify it all
-    real_drop = make(profile({b: 100.0 if b < 5 else 50.0 for b in range(1, 17)}), refine=False)
+    real_drop = make(profile({b: 100.0 if b < 5 else 50.0 for b in range(1, 17)}))
     assert int(real_drop.verify_lengths(conf, 3, 4).sum()) == 0

@@ -7,11 +7,10 @@ import math
 import pytest
 from dspark.engine.config import EngineConfig
 from dspark.engine.policy_spec import PolicySettings, parse_policy
+from dspark.policies.baselines import StaticPolicy, ThresholdPolicy
 from dspark.policies.dspark import DSparkAsyncPolicy, DSparkPolicy
 from dspark.policies.factory import build_policy
 from dspark.policies.sps_curve import OnlineSps
-from dspark.policies.static import StaticPolicy
-from dspark.policies.threshold import ThresholdPolicy
 from dspark.profiling.synthetic import synthetic_profile
 
 PROFILE = synthetic_profile(max_batch_tokens=256)
@@ -56,15 +55,17 @@ def test_policy_settings_reach_every_part_of_the_dspark_policy() -> None:
         sps_drift_alpha=0.2,
     )
     policy = build_policy("dspark-async", sps=PROFILE, settings=settings)
-    gate, curve = policy.gate, policy.sps
+    gate, acceptance, curve = policy.gate.settings, policy.acceptance.settings, policy.sps.settings
     assert (gate.min_gain, gate.memory_rows, gate.explore_every, gate.reuse_steps) == (0.05, 8, 5, 2)
-    assert gate.cost.alpha == 0.5 and policy.settings.overhead_alpha == 0.3
-    assert (policy.acceptance.decay, policy.acceptance.prior_tokens) == (0.9, 1.0)
-    assert (curve.alpha, curve.prior_weight, curve.refresh_every, curve.drift_alpha) == (0.02, 2.0, 4, 0.2)
-    assert curve.max_log_jump == pytest.approx(math.log(3.0))
+    assert policy.gate.cost.alpha == 0.5 and gate.overhead_alpha == 0.3
+    assert (acceptance.acceptance_decay, acceptance.acceptance_prior_tokens) == (0.9, 1.0)
+    refinement = (curve.sps_alpha, curve.sps_prior_weight, curve.sps_refresh_every, curve.sps_drift_alpha)
+    assert refinement == (0.02, 2.0, 4, 0.2)
+    assert policy.sps.max_log_jump == pytest.approx(math.log(3.0))
     # The defaults are the parts' own, and an engine configuration carries the settings.
     default = build_policy("dspark", sps=PROFILE)
-    assert (default.gate.min_gain, default.gate.memory_rows, default.acceptance.decay) == (0.01, 64, 0.999)
+    gate, acceptance = default.gate.settings, default.acceptance.settings
+    assert (gate.min_gain, gate.memory_rows, acceptance.acceptance_decay) == (0.01, 64, 0.999)
     assert EngineConfig(policy_settings={"min_gain": 0.05}).policy_settings.min_gain == 0.05
     with pytest.raises(ValueError, match="min_gain"):
         EngineConfig(policy_settings={"min_gain": -1})

@@ -9,12 +9,8 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
-from dspark.policies.ranking import (
-    global_argmax_lengths,
-    leading_at_least,
-    prefix_greedy_lengths,
-    topk_survival,
-)
+from dspark.policies.baselines import ThresholdPolicy
+from dspark.policies.ranking import global_argmax_lengths, prefix_greedy_lengths, topk_survival
 from dspark.sps_format import SpsPoint, SpsProfile
 
 
@@ -131,6 +127,6 @@ def test_gamma_zero_and_no_requests() -> None:
     assert topk_survival(torch.empty(2, 0), 5).tolist() == [0, 0]
 
 
-def test_leading_at_least_stops_at_first_low_confidence() -> None:
+def test_threshold_stops_at_first_low_confidence() -> None:
     conf = torch.tensor([[0.9, 0.4, 0.9], [0.5, 0.5, 0.5], [0.1, 0.9, 0.9]])
-    assert leading_at_least(conf, 0.5).tolist() == [1, 3, 0]
+    assert ThresholdPolicy(0.5).verify_lengths(conf, 3, 3).tolist() == [1, 3, 0]

@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from dspark.engine.policy_spec import PolicySettings
 from dspark.policies.sps_curve import OnlineSps
 from dspark.sps_format import SpsPoint, SpsProfile
 
@@ -60,7 +61,7 @@ def test_drift_seen_at_one_batch_size_moves_the_others() -> None:
     assert online.sps(1) == pytest.approx(1 / (1.5 * true_step_seconds(1)), rel=0.02)
     assert online.sps(8) == pytest.approx(1 / (1.5 * true_step_seconds(8)), rel=0.1)
     assert online.sps(1) / online.sps(8) == pytest.approx(ratio, rel=0.1)
-    without = OnlineSps(idle_node_prior(), drift_alpha=0.0)  # per-size corrections alone
+    without = OnlineSps(idle_node_prior(), PolicySettings(sps_drift_alpha=0.0))  # per-size corrections alone
     for _ in range(400):
         b = rng.choice([1, 8])
         without.observe(b, true_step_seconds(b))
@@ -70,26 +71,27 @@ def test_drift_seen_at_one_batch_size_moves_the_others() -> None:
 
 
 def test_one_stalled_step_moves_the_estimate_at_most_by_max_jump() -> None:
-    online = OnlineSps(idle_node_prior(), max_jump=2.0)
+    online = OnlineSps(idle_node_prior(), PolicySettings(sps_max_jump=2.0))
     before = online.sps(64)
     online.observe(64, 100.0)  # a 100 s hiccup
     assert online.sps(64) >= before / 2
 
 
 def test_observation_is_shared_between_neighbouring_grid_points() -> None:
-    online = OnlineSps(idle_node_prior(), prior_weight=1.0, alpha=0.01, drift_alpha=0.0)
+    settings = PolicySettings(sps_prior_weight=1.0, sps_alpha=0.01, sps_drift_alpha=0.0)
+    online = OnlineSps(idle_node_prior(), settings)
     b = 48  # halfway between 32 and 64: half an observation each, against one pseudo-observation
     online.observe(b, 1.5 / idle_node_prior().sps(b))
     corr = dict(zip(GRID, online.corrections(), strict=True))
     assert corr[32] == pytest.approx(1.5 ** (1 / 3)) and corr[64] == pytest.approx(1.5 ** (1 / 3))
     assert corr[16] == corr[128] == 1.0
-    no_prior = OnlineSps(idle_node_prior(), prior_weight=0.0, drift_alpha=0.0)
+    no_prior = OnlineSps(idle_node_prior(), PolicySettings(sps_prior_weight=0.0, sps_drift_alpha=0.0))
     no_prior.observe(b, 1.5 / idle_node_prior().sps(b))
     assert no_prior.sps(b) == pytest.approx(idle_node_prior().sps(b) / 1.5)  # taken at face value
 
 
 def test_table_tracks_refinement_in_batches() -> None:
-    online = OnlineSps(idle_node_prior(), refresh_every=4)
+    online = OnlineSps(idle_node_prior(), PolicySettings(sps_refresh_every=4))
     first = online.table(300).clone()
     for i in range(4):
         online.observe(100, 0.05)
@@ -109,15 +111,15 @@ def test_bad_observations_are_refused(b: int, seconds: float) -> None:
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"alpha": 0.0},
-        {"alpha": 1.5},
-        {"prior_weight": -1},
-        {"max_jump": 1.0},
-        {"refresh_every": 0},
-        {"drift_alpha": -0.1},
-        {"drift_alpha": 1.5},
+        {"sps_alpha": 0.0},
+        {"sps_alpha": 1.5},
+        {"sps_prior_weight": -1},
+        {"sps_max_jump": 1.0},
+        {"sps_refresh_every": 0},
+        {"sps_drift_alpha": -0.1},
+        {"sps_drift_alpha": 1.5},
     ],
 )
 def test_bad_settings_are_refused(kwargs: dict) -> None:
     with pytest.raises(ValueError):
-        OnlineSps(idle_node_prior(), **kwargs)
+        OnlineSps(idle_node_prior(), PolicySettings(**kwargs))

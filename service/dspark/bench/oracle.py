@@ -29,7 +29,7 @@ from dspark.engine.sampling_params import SamplingParams
 from dspark.engine.scheduler import StepPlan
 from dspark.engine.verifier import verify_greedy
 from dspark.engine.verify import verification_logits
-from dspark.policies.static import StaticPolicy
+from dspark.policies.baselines import StaticPolicy
 
 ORACLE = "oracle"
 

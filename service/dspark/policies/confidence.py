@@ -1,4 +1,4 @@
-"""Shared handling of the drafter's confidences: shape checks and the safe fallback."""
+"""The base of the policies that rank the drafter's confidences, with their safe fallback."""
 
 from __future__ import annotations
 
@@ -17,14 +17,11 @@ FALLBACK_LENGTH = 3
 
 
 class ConfidencePolicy(VerifyPolicy):
-    """A policy that needs confidences. Without usable ones (None, NaN, inf) the step verifies
-    a fixed min(FALLBACK_LENGTH, gamma) tokens per request, lossless whatever the drafter did;
-    `fallbacks` counts such steps and one warning is logged per burst of them. Confidences are
-    ranked on the host in NumPy; lengths come back as a CPU int64 tensor."""
+    """Without usable confidences (None, NaN, inf) a step verifies min(FALLBACK_LENGTH, gamma)
+    tokens per request, lossless whatever the drafter did; `fallbacks` counts such steps and one
+    warning is logged per burst of them."""
 
-    def __init__(self) -> None:
-        self.fallbacks = 0
-        self._in_fallback = False
+    _in_fallback = False
 
     def verify_lengths(self, confidences: Confidences, gamma: int, num_requests: int) -> torch.Tensor:
         if confidences is not None and tuple(confidences.shape) != (num_requests, gamma):
@@ -33,37 +30,20 @@ class ConfidencePolicy(VerifyPolicy):
             )
         if num_requests == 0 or gamma == 0:
             return torch.zeros(num_requests, dtype=torch.int64)
-        if confidences is not None:
-            confidences = host_array(confidences)
-        problem = self._unusable(confidences)
-        if problem is not None:
-            return self._fall_back(problem, gamma, num_requests)
-        if self._in_fallback:
-            logger.info("%s: confidences usable again, leaving the static fallback", self.name)
-            self._in_fallback = False
-        return self._lengths(self._prepare(confidences))
-
-    def _prepare(self, confidences: np.ndarray) -> np.ndarray:
-        """Usable confidences (float64, finite) on their way to `_lengths`: a hook for
-        policies that adjust or record them."""
-        return confidences
-
-    @staticmethod
-    def _unusable(confidences: np.ndarray | None) -> str | None:
-        if confidences is None:
-            return "the drafter gave no confidences"
-        if not np.isfinite(confidences).all():
-            return "confidences contain NaN or inf"
-        return None
-
-    def _fall_back(self, problem: str, gamma: int, num_requests: int) -> torch.Tensor:
+        confidences = None if confidences is None else host_array(confidences)
+        if confidences is not None and np.isfinite(confidences).all():
+            if self._in_fallback:
+                logger.info("%s: confidences usable again, leaving the static fallback", self.name)
+                self._in_fallback = False
+            return self._lengths(confidences)
         self.fallbacks += 1
         length = min(FALLBACK_LENGTH, gamma)
         if not self._in_fallback:
+            what = "none from the drafter" if confidences is None else "NaN or inf"
             logger.warning(
-                "%s: %s; verifying a static %d tokens per request until they are usable",
+                "%s: unusable confidences (%s); verifying a static %d tokens per request",
                 self.name,
-                problem,
+                what,
                 length,
             )
             self._in_fallback = True
@@ -71,8 +51,8 @@ class ConfidencePolicy(VerifyPolicy):
         return torch.full((num_requests,), length, dtype=torch.int64)
 
     def _on_fallback(self) -> None:
-        """A step was scheduled by the fallback (stateful policies record the gap)."""
+        """A step fell back (a stateful policy records the gap)."""
 
     @abstractmethod
     def _lengths(self, confidences: np.ndarray) -> torch.Tensor:
-        """Lengths [R] (CPU int64) for finite confidences [R, gamma] (float64) with R, gamma >= 1."""
+        """Lengths [R] (CPU int64) for finite float64 confidences [R, gamma], R and gamma >= 1."""

@@ -1,9 +1,6 @@
-"""Whether a step should draft at all: DSpark's expected-throughput test, extended to the drafter.
-
-Where drafting costs a real share of the verification forward (a CPU, or a drafter large next to
-its target) a step can be faster without it. The gate decides from earlier steps and the number
-of requests only, which the coming draft cannot shape, so skipping keeps decoding lossless.
-"""
+"""Whether a step should draft at all, and how far: DSpark's expected-throughput test extended to
+the drafter. It decides from earlier steps and the request count only, which the coming draft
+cannot shape, so skipping keeps decoding lossless (docs/scheduler.md gives the reasons)."""
 
 from __future__ import annotations
 
@@ -17,6 +14,7 @@ import numpy as np
 import torch
 
 from dspark.engine.outputs import StepStats
+from dspark.engine.policy_spec import PolicySettings
 from dspark.engine.survival import host_array
 from dspark.policies.ranking import SpsFn, early_stop, expected_throughputs, ranked_candidates
 
@@ -26,12 +24,30 @@ def ewma(old: float | None, new: float, alpha: float) -> float:
     return new if old is None else old + alpha * (new - old)
 
 
-class DraftCost:
-    """Seconds one drafting call takes for R requests and a horizon of h positions: an EWMA per
-    observed (R, h), interpolated between measured horizons at R, else between the per-R EWMAs,
-    flat past either end (an unseen larger batch looks cheap, gets drafted once, then measured)."""
+def _interp(table: dict[int, float], x: int) -> float:
+    """Linear between the keys around x, flat beyond both ends (plain Python: a handful of keys)."""
+    known = sorted(table)
+    right = bisect.bisect_right(known, x)
+    if right in (0, len(known)):
+        return table[known[min(right, len(known) - 1)]]
+    x0, x1 = known[right - 1], known[right]
+    return table[x0] + (x - x0) / (x1 - x0) * (table[x1] - table[x0])
 
-    def __init__(self, alpha: float = 0.2) -> None:
+
+def _padded(rows: np.ndarray, width: int) -> np.ndarray:
+    if rows.shape[1] == width:
+        return rows
+    padded = np.zeros((rows.shape[0], width))  # np.pad: 16 us on a 64 x 5 pool, this: 1 us
+    padded[:, : rows.shape[1]] = rows
+    return padded
+
+
+class DraftCost:
+    """Seconds one drafting call takes for R requests and h positions: an EWMA per observed (R, h),
+    interpolated between the horizons measured at R, else between the per-R EWMAs over all
+    horizons; flat past either end (an unseen larger batch looks cheap, is drafted, then measured)."""
+
+    def __init__(self, alpha: float) -> None:
         self.alpha = alpha
         self._seconds: dict[int, float] = {}
         self._by_horizon: dict[int, dict[int, float]] = {}  # R -> horizon -> seconds
@@ -52,30 +68,23 @@ class DraftCost:
         if at_r and horizon:
             exact = at_r.get(horizon)
             return exact if exact is not None else _interp(at_r, horizon)  # the first: the hot path
-        if num_requests in self._seconds:
-            return self._seconds[num_requests]
-        return _interp(self._seconds, num_requests)
+        return self._seconds.get(num_requests) or _interp(self._seconds, num_requests)
 
 
-def _padded(rows: np.ndarray, width: int) -> np.ndarray:
-    if rows.shape[1] == width:
-        return rows
-    padded = np.zeros((rows.shape[0], width))  # np.pad: 16 us on a 64 x 5 pool, this: 1 us
-    padded[:, : rows.shape[1]] = rows
-    return padded
+def expected_rate(pool: np.ndarray, num_requests: int, forward_sps: SpsFn, fixed_s: float) -> float:
+    """Algorithm 1's objective at its early stop for R requests like the `pool` rows (each standing
+    for R / rows requests, so the forward time is interpolated at fractional B), in tokens per
+    second of steps that spend `fixed_s` besides the forward."""
 
+    def step_rate(batch: np.ndarray) -> np.ndarray:
+        low = np.floor(batch).astype(np.int64)
+        forward_s = 1.0 / forward_sps(np.arange(int(low[-1]) + 2))  # one lookup, every B reached
+        frac = batch - low
+        return 1.0 / (fixed_s + (1 - frac) * forward_s[low] + frac * forward_s[low + 1])
 
-def _interp(table: dict[int, float], x: int) -> float:
-    """Linear between the known keys around x, flat beyond both ends (plain Python: a handful of
-    keys, called on the hot path)."""
-    known = sorted(table)
-    right = bisect.bisect_right(known, x)
-    if right == 0:
-        return table[known[0]]
-    if right == len(known):
-        return table[known[-1]]
-    x0, x1 = known[right - 1], known[right]
-    return table[x0] + (x - x0) / (x1 - x0) * (table[x1] - table[x0])
+    values = ranked_candidates(pool)[0]
+    theta = expected_throughputs(values, num_requests, step_rate, weight=num_requests / pool.shape[0])
+    return float(theta[early_stop(theta)])
 
 
 @dataclass
@@ -88,33 +97,20 @@ class _Exploration:
 
 
 class DraftingGate:
-    """Drafts a step only when R requests are expected to decode faster with drafting.
+    """Drafts a step of R requests only when `expected_rate` with drafting, over the first h
+    confidences of recent drafted steps' rows (at least `memory_rows`, so one unlucky draft cannot
+    switch drafting off), beats plain decoding's R / (other' + 1 / SPS(R)) by `min_gain` (so noise
+    near break-even does not flip it). Per R, `explore_every` skipped steps in a row trigger a
+    burst that renews a quarter of the rows; one that changes nothing doubles the interval.
+    It also keeps the step's costs besides the forward, which Algorithm 1 charges too."""
 
-    With drafting h positions: Algorithm 1's objective at its early stop over the first h
-    confidences of recent drafted steps' rows (a pool of at least `memory_rows`, each weighted
-    R / rows, so one unlucky draft cannot switch drafting off), in a step of
-    other + draft(R, h) + 1 / SPS(R + admitted). Without: R tokens in other' + 1 / SPS(R), other'
-    measured on undrafted steps. Drafting must promise `min_gain` more, so that noise near
-    break-even does not flip the decision. Unknown costs or a short pool: draft; no undrafted step
-    measured yet: skip one. Per request count R, `explore_every` skipped steps in a row trigger a
-    burst that renews a quarter of the pool; an exploration that changes nothing doubles the
-    interval (up to 8x). A horizon's expected rate is reused for `reuse_steps` evaluations.
-    docs/scheduler.md gives the reasons and measurements.
-    """
-
-    def __init__(
-        self,
-        explore_every: int = 32,
-        memory_rows: int = 64,
-        min_gain: float = 0.01,
-        reuse_steps: int = 4,
-        cost_alpha: float = 0.2,
-    ) -> None:
-        self.cost = DraftCost(cost_alpha)
-        self.min_gain = min_gain
-        self.explore_every = explore_every
-        self.memory_rows = memory_rows
-        self.reuse_steps = reuse_steps
+    def __init__(self, settings: PolicySettings = PolicySettings()) -> None:
+        self.settings = settings
+        self.cost = DraftCost(settings.draft_cost_alpha)
+        # The rest of a step besides forward and drafting (acceptance, cache commits): drafted steps
+        # accept more, and charging that to plain decoding biased the gate towards drafting.
+        self.other_s = 0.0
+        self.plain_other_s: float | None = None
         self._shapes: deque[tuple[int, int]] = deque()  # (rows, width) per remembered step, oldest first
         self._pool = np.zeros((0, 0))  # their rows, zero-padded to the widest
         self._rates: dict[tuple[int, int], tuple[int, float]] = {}  # (R, horizon) -> (evaluation, rate)
@@ -126,102 +122,76 @@ class DraftingGate:
         self.skipped_steps = 0
 
     def update(self, stats: StepStats, drift: float) -> None:
-        """Learn a drafted step's drafting time (in drift-free units) for its R and horizon."""
+        """Learn a decode step's costs besides its forward, in drift-free units."""
         if stats.drafted:
             self.cost.observe(len(stats.verify_budgets), stats.draft_time_s / drift, stats.draft_horizon)
+        other_s = (stats.step_time_s - stats.forward_time_s - stats.draft_time_s) / drift
+        if stats.num_prefill_tokens or other_s < 0:  # prefills add their own cache commits
+            return
+        if stats.drafted:
+            self.other_s = ewma(self.other_s, other_s, self.settings.overhead_alpha)
+        else:
+            self.plain_other_s = ewma(self.plain_other_s, other_s, self.settings.overhead_alpha)
 
     def remember(self, confidences: np.ndarray | torch.Tensor) -> None:
         """Finite confidences [R, w] of a step that drafted."""
         confidences = host_array(confidences)
         if not confidences.size:
             return
-        self._shapes.append((confidences.shape[0], confidences.shape[1]))
+        self._shapes.append(confidences.shape)
         total = self._pool.shape[0] + confidences.shape[0]
-        while total - self._shapes[0][0] >= self.memory_rows:
+        while total - self._shapes[0][0] >= self.settings.memory_rows:
             total -= self._shapes.popleft()[0]
-        dropped = self._pool.shape[0] + confidences.shape[0] - total
         width = max(w for _, w in self._shapes)
-        kept = self._pool[dropped:, :width]  # columns past `width` only padded dropped rows
+        kept = self._pool[self._pool.shape[0] + confidences.shape[0] - total :, :width]
         self._pool = np.concatenate([_padded(kept, width), _padded(confidences, width)])
 
-    def draft_horizon(
-        self,
-        num_requests: int,
-        forward_sps: SpsFn,
-        other_s: float,
-        plain_other_s: float | None,
-        horizons: Sequence[int],
-    ) -> int:
-        """The horizon among `horizons` with the highest expected rate, or 0 when no horizon beats
-        not drafting by `min_gain`. `other_s`: the rest of a drafted step besides drafting and the
-        forward; `plain_other_s`: the same for an undrafted step, None until one is measured (the
-        gate then skips one step to measure it). Forced drafting takes the widest horizon."""
-        widest = max(horizons)
-        if num_requests < 1 or self.cost.seconds(num_requests, widest) is None:
-            return widest
-        if self._pool.shape[0] < self.memory_rows:  # too little evidence yet
+    def draft_horizon(self, num_requests: int, forward_sps: SpsFn, horizons: Sequence[int]) -> int:
+        """The horizon among `horizons` with the highest expected rate, or 0 when none beats not
+        drafting by `min_gain`. Forced drafting takes the widest."""
+        s, widest = self.settings, max(horizons)
+        unmeasured = self.cost.seconds(num_requests, widest) is None or self._pool.shape[0] < s.memory_rows
+        if num_requests < 1 or unmeasured:
             return widest
         if self._burst_left > 0:
             self._burst_left -= 1
             return widest
-        at_r = self._exploration.get(num_requests)
-        if at_r is None:
-            at_r = self._exploration[num_requests] = _Exploration(self.explore_every)
+        at_r = self._exploration.setdefault(num_requests, _Exploration(s.explore_every))
         if at_r.skipped >= at_r.interval:
             at_r.skipped, at_r.explored = 0, True
-            self._burst_left = math.ceil(self.memory_rows / (4 * num_requests)) - 1
+            self._burst_left = math.ceil(s.memory_rows / (4 * num_requests)) - 1
             return widest
         explored, at_r.explored = at_r.explored, False
-        if plain_other_s is None:
+        if self.plain_other_s is None:  # skip one step to measure it
             self.skipped_steps += 1
             return 0
-        without = num_requests / (plain_other_s + 1.0 / float(forward_sps(np.array([num_requests]))[0]))
+        without = num_requests / (self.plain_other_s + 1.0 / float(forward_sps(np.array([num_requests]))[0]))
         self._evaluations += 1
         if explored:
             self._rates.clear()
         # Horizons past the remembered rows' width have no confidences to judge them by.
         width = self._pool.shape[1]
-        best, best_rate = 0, without * (1.0 + self.min_gain)
+        best, best_rate = 0, without * (1.0 + s.min_gain)
         for h in sorted({min(h, width) for h in horizons}):  # ties go to the cheaper, narrower one
-            rate = self._rate(num_requests, h, forward_sps, other_s)
+            rate = self._rate(num_requests, h, forward_sps)
             if rate > best_rate:
                 best, best_rate = h, rate
         if best:
-            at_r.skipped, at_r.interval = 0, self.explore_every
+            at_r.skipped, at_r.interval = 0, s.explore_every
             # A wider horizon offered than the rows cover: draft it, so its positions get judged.
             return widest if widest > width else best
         if explored:
-            at_r.interval = min(2 * at_r.interval, 8 * self.explore_every)
+            at_r.interval = min(2 * at_r.interval, 8 * s.explore_every)
         at_r.skipped += 1
         self.skipped_steps += 1
         return 0
 
-    def _rate(self, num_requests: int, horizon: int, forward_sps: SpsFn, other_s: float) -> float:
+    def _rate(self, num_requests: int, horizon: int, forward_sps: SpsFn) -> float:
         """Expected rate drafting `horizon` positions for R requests (reused for `reuse_steps`)."""
         cached = self._rates.get((num_requests, horizon))
-        if cached is not None and self._evaluations - cached[0] < self.reuse_steps:
+        if cached is not None and self._evaluations - cached[0] < self.settings.reuse_steps:
             return cached[1]
-        values = ranked_candidates(self._pool[:, :horizon])[0]
-        fixed_s = other_s + self.cost.seconds(num_requests, horizon)
-        rate = self.ranked_rate(values, self._pool.shape[0], num_requests, forward_sps, fixed_s)
+        fixed_s = self.other_s + self.cost.seconds(num_requests, horizon)
+        rate = expected_rate(self._pool[:, :horizon], num_requests, forward_sps, fixed_s)
         self._rates[num_requests, horizon] = (self._evaluations, rate)
         return rate
-
-    @staticmethod
-    def ranked_rate(
-        survival: np.ndarray, rows: int, num_requests: int, forward_sps: SpsFn, fixed_s: float
-    ) -> float:
-        """Expected tokens per second of a step of `num_requests` requests like the pool's rows
-        (given by their ranked survival values, `ranked_candidates`, and their count) that spends
-        `fixed_s` besides its forward and verifies by Algorithm 1: its objective and early stop
-        with rows weighted R / rows, so batch sizes are fractional and the forward time is
-        interpolated between the integers around them."""
-
-        def step_rate(batch: np.ndarray) -> np.ndarray:
-            low = np.floor(batch).astype(np.int64)
-            forward_s = 1.0 / forward_sps(np.arange(int(low[-1]) + 2))  # one lookup, every B reached
-            frac = batch - low
-            return 1.0 / (fixed_s + (1 - frac) * forward_s[low] + frac * forward_s[low + 1])
-
-        theta = expected_throughputs(survival, num_requests, step_rate, weight=num_requests / rows)
-        return float(theta[early_stop(theta)])

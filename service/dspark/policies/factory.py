@@ -6,10 +6,9 @@ from dspark.engine.config import AUTO
 from dspark.engine.drafter import Drafter
 from dspark.engine.policy_spec import PolicyName, PolicySettings, parse_policy
 from dspark.engine.verify_policy import VerifyPolicy
+from dspark.policies.baselines import StaticPolicy, ThresholdPolicy
 from dspark.policies.dspark import DSparkAsyncPolicy, DSparkPolicy
 from dspark.policies.sps_curve import OnlineSps
-from dspark.policies.static import StaticPolicy
-from dspark.policies.threshold import ThresholdPolicy
 from dspark.sps_format import SpsProfile
 
 # `auto` for a drafter without confidences (n-gram lookup, DFlash, EAGLE-3).
@@ -28,7 +27,7 @@ def resolve_policy_spec(spec: str, drafter: Drafter) -> str:
 
 
 def build_policy(
-    spec: str, sps: SpsProfile | OnlineSps | None = None, settings: PolicySettings | None = None
+    spec: str, sps: SpsProfile | OnlineSps | None = None, settings: PolicySettings = PolicySettings()
 ) -> VerifyPolicy:
     """`sps` is the engine's step-rate profile; required by `dspark` and `dspark-async`, which
     wrap a plain profile in `OnlineSps` so the engine's step timings refine it."""
@@ -42,4 +41,6 @@ def build_policy(
             f"policy '{name}' needs an SPS profile of this engine (steps per second against batch "
             "tokens); profile the engine first or choose a policy that needs none"
         )
-    return (DSparkPolicy if name == PolicyName.DSPARK else DSparkAsyncPolicy)(sps, settings=settings)
+    if isinstance(sps, SpsProfile):
+        sps = OnlineSps(sps, settings)
+    return (DSparkPolicy if name == PolicyName.DSPARK else DSparkAsyncPolicy)(sps, settings)

@@ -1,14 +1,10 @@
 """Verify lengths from confidences: DSpark's Algorithm 1 and its relatives, as array ops.
 
-All schedulers take confidences c [R, gamma] (c[r, k] = P(draft k+1 accepted | all before it
-accepted)) and return lengths [R] as a CPU int64 tensor. Candidates are the survival
-probabilities a[r, j] = prod_{i<=j} c[r, i], ranked by a stable descending sort of the
-row-major flattening: a[r, j] >= a[r, j+1] and, on ties, (r, j) stays ahead of (r, j+1), so
-every ranked prefix of candidates is a set of per-request prefixes and a request's length is
-simply how many of its candidates were taken. Only a > 0 candidates exist (Algorithm 1's E).
-
-The arithmetic runs in NumPy on the host (see `dspark.engine.survival`); the engine needs the
-lengths on the host to lay out the batch.
+Candidates are the survival probabilities a[r, j] = prod_{i<=j} c[r, i] (`dspark.engine.survival`),
+ranked by a stable descending sort of the row-major flattening: a[r, j] >= a[r, j+1] and ties keep
+(r, j) ahead of (r, j+1), so every ranked prefix is a set of per-request prefixes and a request's
+length is how many of its candidates were taken. Only a > 0 candidates exist (Algorithm 1's E).
+Lengths come back as a CPU int64 tensor: the engine lays out the batch on the host.
 """
 
 from __future__ import annotations
@@ -18,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from dspark.engine.survival import host_array, survival_probabilities
+from dspark.engine.survival import survival_probabilities
 
 SpsFn = Callable[[np.ndarray], np.ndarray]
 """Steps per second for float64 batch sizes (NumPy in, NumPy out)."""
@@ -63,30 +59,19 @@ def early_stop(theta: np.ndarray) -> int:
 
 
 def prefix_greedy_lengths(confidences: torch.Tensor | np.ndarray, sps_fn: SpsFn) -> torch.Tensor:
-    """Algorithm 1: admit ranked candidates while expected throughput Theta strictly rises.
-
-    The early break makes it causal: whether candidate n is admitted depends only on the
-    candidates ranked above it, never on a later a[r, j+1] that the sampled x[r, j] shaped
-    (paper Appendix A).
-    """
+    """Algorithm 1: admit ranked candidates while expected throughput Theta strictly rises. The
+    early break makes it causal: candidate n's admission depends only on candidates ranked above
+    it, never on a later a[r, j+1] that the sampled x[r, j] shaped (paper Appendix A)."""
     return _ranked_lengths(confidences, lambda v, r: early_stop(expected_throughputs(v, r, sps_fn)))
 
 
 def global_argmax_lengths(confidences: torch.Tensor | np.ndarray, sps_fn: SpsFn) -> torch.Tensor:
-    """Admit the ranked prefix with the highest Theta, with no early break (first maximum wins).
-
-    NOT lossless on the current step's confidences (it lets x[r, j] vote on its own admission
-    through a[r, j+1]); only safe on confidences from earlier steps, as `DSparkAsyncPolicy` does.
-    """
+    """Admit the ranked prefix with the highest Theta, no early break (first maximum wins). NOT
+    lossless on the current step's confidences (x[r, j] votes on its own admission through
+    a[r, j+1]); only safe on earlier steps' confidences, as `AsyncSplit` uses it."""
     return _ranked_lengths(confidences, lambda v, r: int(expected_throughputs(v, r, sps_fn).argmax()))
 
 
 def topk_survival(confidences: torch.Tensor | np.ndarray, k: int) -> torch.Tensor:
     """Verify the `k` draft tokens with the highest survival probability (fewer if fewer have a > 0)."""
     return _ranked_lengths(confidences, lambda v, r: max(0, min(int(k), int((v > 0).sum()))))
-
-
-def leading_at_least(confidences: torch.Tensor | np.ndarray, threshold: float) -> torch.Tensor:
-    """Per request, how many leading positions have c >= threshold (SpecDec++-style stop)."""
-    leading = np.cumprod(host_array(confidences) >= threshold, axis=1).sum(axis=1)
-    return torch.from_numpy(leading.astype(np.int64))

@@ -1,0 +1,42 @@
+"""The baselines DSpark is compared with: fixed verify lengths, and a confidence threshold."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from dspark.engine.policy_spec import PolicyName
+from dspark.engine.verify_policy import Confidences, VerifyPolicy
+from dspark.policies.confidence import ConfidencePolicy
+
+
+class StaticPolicy(VerifyPolicy):
+    """Verify min(length, gamma) draft tokens for every request (length None = full block)."""
+
+    def __init__(self, length: int | None) -> None:
+        if length is not None and length < 0:
+            raise ValueError(f"static verify length must be >= 0, got {length}")
+        self.length = length
+        self.name = {None: PolicyName.FULL, 0: PolicyName.NONE}.get(length, f"{PolicyName.STATIC}:{length}")
+
+    def max_length(self, gamma: int, num_requests: int = 1) -> int:
+        return gamma if self.length is None else min(self.length, gamma)
+
+    def verify_lengths(self, confidences: Confidences, gamma: int, num_requests: int) -> torch.Tensor:
+        return torch.full((num_requests,), self.max_length(gamma), dtype=torch.int64)
+
+
+class ThresholdPolicy(ConfidencePolicy):
+    """SpecDec++-style: l_r = number of leading positions with c_{r,k} >= x (static, load-blind)."""
+
+    def __init__(self, threshold: float) -> None:
+        if not (math.isfinite(threshold) and 0 < threshold < 1):
+            raise ValueError(f"confidence threshold must be strictly between 0 and 1, got {threshold}")
+        self.threshold = threshold
+        self.name = f"{PolicyName.THRESHOLD}:{threshold:g}"
+
+    def _lengths(self, confidences: np.ndarray) -> torch.Tensor:
+        leading = np.cumprod(confidences >= self.threshold, axis=1).sum(axis=1)
+        return torch.from_numpy(leading.astype(np.int64))
