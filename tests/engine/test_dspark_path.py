@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from dspark.builder import sibling_engine
 from dspark.drafters.ngram import NoDrafter
+from dspark.engine.policy_spec import PolicySettings
 from dspark.engine.prompt import encode_prompt
 from dspark.engine.sampling_params import SamplingParams
 from dspark.policies.factory import build_policy
@@ -50,9 +51,9 @@ def test_steps_the_gate_skips_keep_greedy_output(engines, policy):
     """Drafting that looks too slow to pay is skipped on most steps; outputs stay identical."""
     plain, drafter, prompts = engines
     expected = [r.token_ids for r in plain.generate(prompts, GREEDY)]
-    verify_policy = build_policy(policy, sps=synthetic_profile(max_batch_tokens=512))
-    verify_policy.gate.explore_every = 2  # mix drafted and skipped steps
-    verify_policy.gate.memory_rows = 1  # judge from the first drafted step on
+    # Exploring every 2 skipped steps mixes drafted and skipped ones; one row is enough evidence.
+    settings = PolicySettings(explore_every=2, memory_rows=1)
+    verify_policy = build_policy(policy, sps=synthetic_profile(max_batch_tokens=512), settings=settings)
     for r in range(1, 9):
         verify_policy.gate.cost.observe(r, 100.0)
     engine = sibling_engine(plain, drafter, verify_policy)

@@ -39,13 +39,8 @@ class ConfidencePolicy(VerifyPolicy):
         self.fallbacks += 1
         length = min(FALLBACK_LENGTH, gamma)
         if not self._in_fallback:
-            what = "none from the drafter" if confidences is None else "NaN or inf"
-            logger.warning(
-                "%s: unusable confidences (%s); verifying a static %d tokens per request",
-                self.name,
-                what,
-                length,
-            )
+            what = "no confidences" if confidences is None else "NaN or inf in the confidences"
+            logger.warning("%s: %s; verifying a static %d tokens per request", self.name, what, length)
             self._in_fallback = True
         self._on_fallback()
         return torch.full((num_requests,), length, dtype=torch.int64)
