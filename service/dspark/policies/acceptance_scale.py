@@ -14,8 +14,9 @@ from dspark.engine.policy_spec import PolicySettings
 
 class AcceptanceScale:
     """Per position k: accepted draft tokens over the survival the confidences predicted, summed
-    with forgetting per request round that verified (one request and 64 forget at the same pace).
-    Calibration is fitted offline; trusting over-confident survival on live traffic verifies too much."""
+    with forgetting per request round that verified (one request and 64 forget at the same pace),
+    plus a prior at ratio 1. Calibration is fitted offline; trusting over-confident live survival
+    verifies too much."""
 
     def __init__(self, settings: PolicySettings = PolicySettings()) -> None:
         self.settings = settings
@@ -35,6 +36,7 @@ class AcceptanceScale:
         self._accepted[: counts.size] += counts
 
     def update(self, stats: StepStats) -> None:
+        """Learn from a drafted step's predicted and accepted tokens per position."""
         if stats.drafted:
             rounds = sum(budget > 0 for budget in stats.verify_budgets)
             self.observe(stats.predicted_per_position, stats.accepted_per_position, rounds)

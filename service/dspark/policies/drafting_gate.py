@@ -29,7 +29,7 @@ def _interp(table: dict[int, float], x: int) -> float:
     known = sorted(table)
     right = bisect.bisect_right(known, x)
     if right in (0, len(known)):
-        return table[known[min(right, len(known) - 1)]]
+        return table[known[0 if right == 0 else -1]]
     x0, x1 = known[right - 1], known[right]
     return table[x0] + (x - x0) / (x1 - x0) * (table[x1] - table[x0])
 
@@ -68,7 +68,8 @@ class DraftCost:
         if at_r and horizon:
             exact = at_r.get(horizon)
             return exact if exact is not None else _interp(at_r, horizon)  # the first: the hot path
-        return self._seconds.get(num_requests) or _interp(self._seconds, num_requests)
+        seconds = self._seconds.get(num_requests)
+        return seconds if seconds is not None else _interp(self._seconds, num_requests)
 
 
 def expected_rate(pool: np.ndarray, num_requests: int, forward_sps: SpsFn, fixed_s: float) -> float:

@@ -70,6 +70,7 @@ class OnlineSps:
         return self._prior_rates[batch_tokens]
 
     def _clamp(self, log_step: float) -> float:
+        """At most a factor `sps_max_jump` per observation: a stalled step cannot wreck the curve."""
         return max(-self.max_log_jump, min(self.max_log_jump, log_step))
 
     def _neighbours(self, b: float) -> list[tuple[int, float]]:
