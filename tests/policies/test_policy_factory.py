@@ -5,11 +5,12 @@ from __future__ import annotations
 import math
 
 import pytest
+from dspark.drafters.ngram import NoDrafter
 from dspark.engine.config import EngineConfig
 from dspark.engine.policy_spec import PolicySettings, parse_policy
 from dspark.policies.baselines import StaticPolicy, ThresholdPolicy
 from dspark.policies.dspark import DSparkAsyncPolicy, DSparkPolicy
-from dspark.policies.factory import build_policy
+from dspark.policies.factory import build_policy, resolve_policy_spec
 from dspark.policies.sps_curve import OnlineSps
 from dspark.profiling.synthetic import synthetic_profile
 
@@ -103,3 +104,14 @@ def test_good_specs_parse_without_a_profile() -> None:
 def test_dspark_without_a_profile_says_what_is_missing(spec: str) -> None:
     with pytest.raises(ValueError, match="needs an SPS profile"):
         build_policy(spec)
+
+
+@pytest.mark.parametrize("spec", ["dspark", "full", "static:4", "threshold:0.5"])
+def test_a_policy_that_verifies_drafts_is_refused_without_a_drafter(spec: str) -> None:
+    with pytest.raises(ValueError, match=f"policy '{spec}' .* drafter 'none' drafts none"):
+        resolve_policy_spec(spec, NoDrafter())
+
+
+def test_auto_and_none_resolve_to_none_without_a_drafter() -> None:
+    assert resolve_policy_spec("auto", NoDrafter()) == "none"
+    assert resolve_policy_spec("none", NoDrafter()) == "none"

@@ -18,8 +18,14 @@ AUTO_POLICY_HELP = f"auto ({PolicyName.DSPARK} for a drafter with a confidence h
 
 def resolve_policy_spec(spec: str, drafter: Drafter) -> str:
     """`auto` becomes `dspark` for a drafter with a confidence head, `none` without a drafter, else
-    `static:4`; every other spelling is returned as it is."""
+    `static:4`; every other spelling is returned as it is, unless it verifies drafts that a
+    drafterless engine never has."""
     if spec.strip() != AUTO:
+        if drafter.gamma == 0 and parse_policy(spec)[0] != PolicyName.NONE:
+            raise ValueError(
+                f"policy '{spec}' chooses how many draft tokens to verify, but drafter "
+                f"'{drafter.name}' drafts none; use policy 'none' (or 'auto'), or choose a drafter"
+            )
         return spec
     if drafter.gives_confidences:
         return PolicyName.DSPARK
