@@ -20,7 +20,6 @@ def step_stats(
     drafted_requests: int = 0,
     predicted: float | None = None,
     accepted: int = 0,
-    prefill_tokens: int = 0,
 ) -> StepStats:
     """A decode step: `drafted_requests` > 0 means the drafter ran for that many requests; its
     `predicted` and `accepted` tokens all count at the first block position."""
@@ -36,5 +35,4 @@ def step_stats(
         predicted_per_position=[] if predicted is None else [predicted],
         num_accepted_tokens=accepted,
         accepted_per_position=[accepted],
-        num_prefill_tokens=prefill_tokens,
     )

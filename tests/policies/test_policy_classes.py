@@ -106,18 +106,6 @@ def test_observe_step_refines_the_dspark_curve() -> None:
     assert frozen.sps is PROFILE
 
 
-def test_steps_carrying_prefills_are_timed_against_all_their_tokens() -> None:
-    """A 16-request decode step that also prefilled 200 prompt tokens must not teach SPS(16) the
-    prefill's cost, nor count the prefill's cache commits as step overhead."""
-    policy = DSparkPolicy(OnlineSps(PROFILE))
-    slow_216 = 1 / PROFILE.sps(216.0)
-    for _ in range(50):
-        policy.observe_step(step_stats(16, slow_216, 0.05, prefill_tokens=200))
-    assert policy.sps.sps(16.0) == pytest.approx(PROFILE.sps(16.0), rel=1e-6)
-    assert policy.sps.sps(216.0) == pytest.approx(PROFILE.sps(216.0), rel=0.02)
-    assert policy.gate.other_s == 0.0 and policy.gate.plain_other_s is None
-
-
 def test_step_overhead_makes_verification_relatively_cheaper() -> None:
     """Drafting time is paid whatever is verified, so a slow drafter justifies verifying more."""
     policy = DSparkPolicy(OnlineSps(PROFILE))

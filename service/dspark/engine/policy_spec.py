@@ -38,22 +38,23 @@ def parse_policy(spec: str) -> tuple[PolicyName, int | float | None]:
     if name in (PolicyName.NONE, PolicyName.FULL, *PROFILED_POLICIES) and not arg:
         return name, None
     if name == PolicyName.STATIC:
-        try:
-            k = int(arg)
-        except ValueError:
-            k = -1
-        if k < 0:
+        k = _number(arg, int)
+        if k is None or k < 0:
             raise ValueError(f"policy 'static:K' needs an integer K >= 0, got {spec!r}")
         return name, k
     if name == PolicyName.THRESHOLD:
-        try:
-            x = float(arg)
-        except ValueError:
-            x = math.nan
-        if not (math.isfinite(x) and 0 < x < 1):
+        x = _number(arg, float)
+        if x is None or not (math.isfinite(x) and 0 < x < 1):
             raise ValueError(f"policy 'threshold:X' needs a number 0 < X < 1, got {spec!r}")
         return name, x
     raise ValueError(f"unknown verify policy {spec!r}; expected one of: {POLICY_HELP}")
+
+
+def _number(text: str, kind: type[int] | type[float]) -> int | float | None:
+    try:
+        return kind(text)
+    except ValueError:
+        return None
 
 
 def needs_profile(spec: str) -> bool:
@@ -68,32 +69,18 @@ class PolicySettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # The drafting gate.
-    min_gain: float = Field(
-        0.01, ge=0, description="Drafting must promise this much more than plain decoding."
-    )
-    memory_rows: int = Field(
-        64, ge=1, description="Confidence rows of recent drafted steps the gate judges by."
-    )
-    explore_every: int = Field(32, ge=1, description="Skipped steps in a row before one drafts anyway.")
-    reuse_steps: int = Field(4, ge=1, description="Evaluations a horizon's expected rate is reused for.")
-    draft_cost_alpha: float = Field(0.2, gt=0, le=1, description="EWMA rate of measured drafting times.")
-    overhead_alpha: float = Field(
-        0.1, gt=0, le=1, description="EWMA rate of a step's time outside forward and drafting."
-    )
+    min_gain: float = Field(0.01, ge=0)  # drafting must promise this much more than plain decoding
+    memory_rows: int = Field(64, ge=1)  # confidence rows of recent drafted steps the gate judges by
+    explore_every: int = Field(32, ge=1)  # skipped steps in a row before one drafts anyway
+    reuse_steps: int = Field(4, ge=1)  # evaluations a horizon's expected rate is reused for
+    draft_cost_alpha: float = Field(0.2, gt=0, le=1)  # EWMA rate of measured drafting times
+    overhead_alpha: float = Field(0.1, gt=0, le=1)  # same, a step's time outside forward and drafting
     # The live acceptance scale.
-    acceptance_decay: float = Field(
-        0.999, gt=0, le=1, description="Forgetting per request round that verified."
-    )
-    acceptance_prior_tokens: float = Field(5.0, ge=0, description="Prior tokens at observed / predicted = 1.")
+    acceptance_decay: float = Field(0.999, gt=0, le=1)  # forgetting per request round that verified
+    acceptance_prior_tokens: float = Field(5.0, ge=0)  # prior tokens at observed / predicted = 1
     # Online refinement of the SPS profile.
-    sps_alpha: float = Field(0.01, gt=0, le=1, description="Slowest rate of the per-size corrections.")
-    sps_prior_weight: float = Field(
-        4.0, ge=0, description="Observations the profile counts as, per grid point."
-    )
-    sps_max_jump: float = Field(
-        2.0, gt=1, description="Largest factor one observation moves drift or a correction by."
-    )
-    sps_refresh_every: int = Field(8, ge=1, description="Observations between rebuilds of the lookup table.")
-    sps_drift_alpha: float = Field(
-        0.1, ge=0, le=1, description="EWMA rate of the drift shared by every size."
-    )
+    sps_alpha: float = Field(0.01, gt=0, le=1)  # slowest rate of the per-size corrections
+    sps_prior_weight: float = Field(4.0, ge=0)  # observations the profile counts as, per grid point
+    sps_max_jump: float = Field(2.0, gt=1)  # largest factor one observation moves drift or a correction
+    sps_refresh_every: int = Field(8, ge=1)  # observations between rebuilds of the lookup table
+    sps_drift_alpha: float = Field(0.1, ge=0, le=1)  # EWMA rate of the drift shared by every size

@@ -42,11 +42,7 @@ class ConfidencePolicy(VerifyPolicy):
             what = "no confidences" if confidences is None else "NaN or inf in the confidences"
             logger.warning("%s: %s; verifying a static %d tokens per request", self.name, what, length)
             self._in_fallback = True
-        self._on_fallback()
         return torch.full((num_requests,), length, dtype=torch.int64)
-
-    def _on_fallback(self) -> None:
-        """A step fell back (a stateful policy records the gap)."""
 
     @abstractmethod
     def _lengths(self, confidences: np.ndarray) -> torch.Tensor:

@@ -127,7 +127,7 @@ class DraftingGate:
         if stats.drafted:
             self.cost.observe(len(stats.verify_budgets), stats.draft_time_s / drift, stats.draft_horizon)
         other_s = (stats.step_time_s - stats.forward_time_s - stats.draft_time_s) / drift
-        if stats.num_prefill_tokens or other_s < 0:  # prefills add their own cache commits
+        if other_s < 0:
             return
         if stats.drafted:
             self.other_s = ewma(self.other_s, other_s, self.settings.overhead_alpha)

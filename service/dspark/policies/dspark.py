@@ -74,7 +74,10 @@ class DSparkPolicy(ConfidencePolicy):
         return horizon
 
     def verify_lengths(self, confidences: Confidences, gamma: int, num_requests: int) -> torch.Tensor:
+        fallbacks = self.fallbacks
         lengths = super().verify_lengths(confidences, gamma, num_requests)
+        if self.fallbacks > fallbacks and self.split is not None:
+            self.split.skip()  # no capacity from this step
         if num_requests:
             self._longest = int(lengths.max())
         return lengths
@@ -89,16 +92,11 @@ class DSparkPolicy(ConfidencePolicy):
             return prefix_greedy_lengths(confidences, step_rate)
         return self.split.lengths(confidences, step_rate)
 
-    def _on_fallback(self) -> None:
-        if self.split is not None:
-            self.split.skip()
-
     def observe_step(self, stats: StepStats) -> None:
         if not isinstance(self.sps, OnlineSps):
             return
-        self.sps.update(stats)
-        drift = self.sps.drift()
-        self.gate.update(stats, drift)
+        self.sps.observe(stats.verify_batch_tokens, stats.forward_time_s)
+        self.gate.update(stats, self.sps.drift())
         self.acceptance.update(stats)
 
 

@@ -9,7 +9,6 @@ import math
 import numpy as np
 import torch
 
-from dspark.engine.outputs import StepStats
 from dspark.engine.policy_spec import PolicySettings
 from dspark.policies.ranking import SpsFn
 from dspark.sps_format import SpsProfile, interp_flat, sps_of_array_or_float
@@ -30,7 +29,6 @@ class OnlineSps:
         self._grid_t = torch.tensor(self._grid, dtype=torch.float64)
         self._log_drift = 0.0
         self._log_corr = [0.0] * len(self._grid)
-        self._log_corr_t: torch.Tensor | None = None
         self._weight = [0.0] * len(self._grid)
         self.observations = 0
         self._table: torch.Tensor | None = None
@@ -53,14 +51,8 @@ class OnlineSps:
             rate = max(s.sps_alpha * share, share / (self._weight[i] + s.sps_prior_weight + share))
             self._log_corr[i] += rate * self._clamp(log_ratio - self._log_drift - self._log_corr[i])
             self._weight[i] += share
-        self._log_corr_t = None
         self.observations += 1
         self._table_age += 1
-
-    def update(self, stats: StepStats) -> None:
-        """Observe a step's forward against all its tokens, prefill chunks included: timed against
-        the decode tokens alone it taught small B the prefill's cost."""
-        self.observe(stats.verify_batch_tokens + stats.num_prefill_tokens, stats.forward_time_s)
 
     def _prior_rate(self, batch_tokens: int) -> float:
         """The prior's SPS at an integer B, from a cached list: its scalar lookup builds tensors,
@@ -96,9 +88,8 @@ class OnlineSps:
         """Refined steps per second (the input's kind back, like `SpsProfile.sps`)."""
         if not isinstance(batch_tokens, torch.Tensor):
             return sps_of_array_or_float(self.sps, batch_tokens)
-        if self._log_corr_t is None:
-            self._log_corr_t = torch.tensor(self._log_corr, dtype=torch.float64)
-        correction = (interp_flat(batch_tokens, self._grid_t, self._log_corr_t) + self._log_drift).exp()
+        log_corr = torch.tensor(self._log_corr, dtype=torch.float64)
+        correction = (interp_flat(batch_tokens, self._grid_t, log_corr) + self._log_drift).exp()
         return self.prior.sps(batch_tokens) / correction
 
     def table(self, max_batch_tokens: int) -> torch.Tensor:
