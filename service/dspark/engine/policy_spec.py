@@ -21,13 +21,8 @@ class PolicyName(StrEnum):
 
 # The policies that schedule against this engine's SPS profile.
 PROFILED_POLICIES = (PolicyName.DSPARK, PolicyName.DSPARK_ASYNC)
-POLICY_HELP = " | ".join(
-    {
-        PolicyName.STATIC: f"{PolicyName.STATIC}:K",
-        PolicyName.THRESHOLD: f"{PolicyName.THRESHOLD}:X (0<X<1)",
-    }.get(name, name)
-    for name in PolicyName
-)
+_ARGUMENTS = {PolicyName.STATIC: ":K", PolicyName.THRESHOLD: ":X (0<X<1)"}
+POLICY_HELP = " | ".join(name + _ARGUMENTS.get(name, "") for name in PolicyName)
 
 
 def parse_policy(spec: str) -> tuple[PolicyName, int | float | None]:

@@ -15,9 +15,7 @@ from dspark.policies.confidence import ConfidencePolicy
 class StaticPolicy(VerifyPolicy):
     """Verify min(length, gamma) draft tokens for every request (length None = full block)."""
 
-    def __init__(self, length: int | None) -> None:
-        if length is not None and length < 0:
-            raise ValueError(f"static verify length must be >= 0, got {length}")
+    def __init__(self, length: int | None) -> None:  # length >= 0, checked by `parse_policy`
         self.length = length
         self.name = {None: PolicyName.FULL, 0: PolicyName.NONE}.get(length, f"{PolicyName.STATIC}:{length}")
 

@@ -1,5 +1,5 @@
 """DSpark's hardware-aware verify-length policy (paper sections 3.2.2 and 5.2), composed of parts
-that each learn from the engine's step statistics in their own `update()`."""
+that each learn from the engine's step statistics."""
 
 from __future__ import annotations
 
