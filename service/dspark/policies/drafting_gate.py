@@ -26,6 +26,8 @@ def ewma(old: float | None, new: float, alpha: float) -> float:
 
 def _interp(table: dict[int, float], x: int) -> float:
     """Linear between the keys around x, flat beyond both ends (plain Python: a handful of keys)."""
+    if x in table:  # the hot path
+        return table[x]
     known = sorted(table)
     right = bisect.bisect_right(known, x)
     if right in (0, len(known)):
@@ -65,11 +67,7 @@ class DraftCost:
         if not self._seconds:
             return None
         at_r = self._by_horizon.get(num_requests)
-        if at_r and horizon:
-            exact = at_r.get(horizon)
-            return exact if exact is not None else _interp(at_r, horizon)  # the first: the hot path
-        seconds = self._seconds.get(num_requests)
-        return seconds if seconds is not None else _interp(self._seconds, num_requests)
+        return _interp(at_r, horizon) if at_r and horizon else _interp(self._seconds, num_requests)
 
 
 def expected_rate(pool: np.ndarray, num_requests: int, forward_sps: SpsFn, fixed_s: float) -> float:

@@ -26,7 +26,6 @@ class OnlineSps:
         self.settings = settings
         self.max_log_jump = math.log(settings.sps_max_jump)
         self._grid = [float(b) for b in prior.batch_tokens()]
-        self._grid_t = torch.tensor(self._grid, dtype=torch.float64)
         self._log_drift = 0.0
         self._log_corr = [0.0] * len(self._grid)
         self._weight = [0.0] * len(self._grid)
@@ -88,8 +87,8 @@ class OnlineSps:
         """Refined steps per second (the input's kind back, like `SpsProfile.sps`)."""
         if not isinstance(batch_tokens, torch.Tensor):
             return sps_of_array_or_float(self.sps, batch_tokens)
-        log_corr = torch.tensor(self._log_corr, dtype=torch.float64)
-        correction = (interp_flat(batch_tokens, self._grid_t, log_corr) + self._log_drift).exp()
+        grid, log_corr = (torch.tensor(v, dtype=torch.float64) for v in (self._grid, self._log_corr))
+        correction = (interp_flat(batch_tokens, grid, log_corr) + self._log_drift).exp()
         return self.prior.sps(batch_tokens) / correction
 
     def table(self, max_batch_tokens: int) -> torch.Tensor:
