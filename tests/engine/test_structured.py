@@ -5,14 +5,20 @@ exactly (tiny target), greedy constrained output equals plain constrained decodi
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 import jsonschema
 import pytest
 import torch
 from dspark.builder import sibling_engine
 from dspark.drafters.ngram import NgramDrafter, NoDrafter
+from dspark.engine import drafting
+from dspark.engine.drafter import DraftBlock, Drafter
 from dspark.engine.prompt import encode_prompt
+from dspark.engine.request import Request
+from dspark.engine.sampler import SamplingTensors
 from dspark.engine.sampling_params import SamplingParams, StructuredOutput
+from dspark.engine.structured import GrammarCompiler
 from tokenizers import Tokenizer, decoders, models
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
@@ -88,6 +94,92 @@ def test_constrained_speculative_sampling_follows_the_constrained_target(tiny8):
         assert set(tokens[:, k].unique().tolist()) <= set(ALLOWED[k])
     accepted = sum(r.stats.accepted_tokens for r in results)
     assert 0.02 < accepted / sum(r.stats.draft_tokens for r in results) < 0.9  # forbidden drafts rejected
+
+
+class ConstantDrafter(Drafter):
+    """Proposes the same block for every request (one-hot drafts)."""
+
+    name = "constant"
+
+    def __init__(self, block: list[int]) -> None:
+        self.block = block
+        self.gamma = len(block)
+
+    def propose(
+        self, requests: Sequence[Request], sampling: SamplingTensors, horizon: int | None = None
+    ) -> DraftBlock:
+        return DraftBlock(torch.tensor([self.block] * len(requests), dtype=torch.long), None)
+
+
+def test_grammar_check_of_drafts_finds_the_first_forbidden_one():
+    """`first_forbidden` against the letters a..h (h the EOS): a..b twice, then the end."""
+    compiler = GrammarCompiler(char_tokenizer(), V, [7])
+    grammar = compiler.compile(StructuredOutput(kind="regex", value="[ab]{2}"))
+    assert grammar.first_forbidden([0, 1]) is None
+    assert grammar.first_forbidden([4, 0]) == 0
+    assert grammar.first_forbidden([0, 4, 0]) == 1
+    assert grammar.first_forbidden([0, 1, 0]) == 2  # complete: only the EOS may follow
+    assert grammar.first_forbidden([0, 7]) == 1  # EOS before the grammar is complete
+    assert grammar.first_forbidden([0, 1, 7, 4]) is None  # nothing after an accepted EOS is read
+    # Checking moved nothing: the matcher still expects the first letter.
+    assert grammar.allowed([], 1, V)[0].nonzero().flatten().tolist() == [0, 1]
+    assert grammar.advance([1, 0]) and grammar.first_forbidden([7]) is None
+
+
+def test_forbidden_drafts_are_cut_from_the_forward_and_output_stays_plain(tiny8):
+    """A drafter whose every token the grammar forbids: each structured request's forward carries its
+    anchor alone (1 token, not 1 + k), its unconstrained neighbour the whole block, and the greedy
+    output is plain constrained decoding's."""
+    path, _ = tiny8
+    regex = StructuredOutput(kind="regex", value="[ab]{6}")
+    structured = SamplingParams(temperature=0.0, max_tokens=10, structured=regex)
+    free = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompts = [[1, 5, 2, 7], [3, 3, 1], [6, 0, 4, 4, 1]]
+    plain = engine_on(path, NoDrafter(), "none", char_tokenizer())
+    expected = plain.generate(prompts + [prompts[0]], [structured] * 3 + [free])
+    engine = engine_on(path, ConstantDrafter([4, 4, 4]), "static:3", char_tokenizer())  # 4 = e
+    carried: list[list[int]] = []
+    run = engine.runner.run
+
+    def recording_run(plan, draft_tokens, layers):
+        if plan.decodes:
+            carried.append([len(d) for d in draft_tokens])
+        return run(plan, draft_tokens, layers)
+
+    engine.runner.run = recording_run
+    got = engine.generate(prompts + [prompts[0]], [structured] * 3 + [free])
+    assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+    for r in got[:3]:
+        body = r.text.rstrip("ch")  # c and h are the model's EOS ids
+        assert r.finish_reason == "stop" and len(body) == 6 and set(body) <= {"a", "b"}, r.text
+        # One forbidden draft verified (and rejected) per round; nothing else drafted.
+        assert r.stats.draft_tokens == r.stats.rounds and r.stats.accepted_tokens == 0
+    steps_with_all_four = [c for c in carried if len(c) == 4]
+    assert steps_with_all_four and all(c[:3] == [0, 0, 0] for c in steps_with_all_four), carried
+    assert max(c[3] for c in steps_with_all_four) == 3, carried  # the neighbour is not cut
+
+
+def test_cutting_forbidden_drafts_changes_no_sampled_token(tiny8, monkeypatch):
+    """Seeded sampling, drafts drawn uniformly (most of them forbidden): every token is the one the
+    uncut forward gives. The cut keeps each forbidden draft's residual (drawing from the target row
+    itself instead changes tokens). An unconstrained neighbour keeps the block width, and so the
+    seeded draws, the same in both runs."""
+    path, _ = tiny8
+    prompt = [1, 5, 2, 7]
+    regex = StructuredOutput(kind="regex", value=REGEX)
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=6, structured=regex) for i in range(48)]
+    params.append(SamplingParams(temperature=1.0, seed=99, max_tokens=80, ignore_eos=True))
+
+    def run():
+        engine = engine_on(path, DistributionDrafter(torch.zeros(2, V)), "static:2", char_tokenizer())
+        return engine.generate([prompt] * len(params), params)
+
+    cut = run()
+    monkeypatch.setattr(drafting, "cut_at_grammars", lambda decodes, tokens, lengths: (lengths, lengths))
+    uncut = run()
+    assert [r.token_ids for r in cut] == [r.token_ids for r in uncut]
+    drafted = [sum(r.stats.draft_tokens for r in results[:-1]) for results in (cut, uncut)]
+    assert drafted[0] < drafted[1], drafted  # the cut verified fewer drafts
 
 
 SCHEMAS = [

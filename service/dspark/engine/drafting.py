@@ -12,6 +12,7 @@ import torch
 from dspark.engine.drafter import DraftBlock, Drafter
 from dspark.engine.request import Request
 from dspark.engine.sampler import SamplingTensors
+from dspark.engine.structured import forbidden_drafts
 from dspark.engine.survival import host_array, survival_probabilities
 from dspark.engine.verify_policy import VerifyPolicy
 
@@ -21,7 +22,12 @@ class Draft:
     """This step's drafts for the decoding requests and how much of each is verified."""
 
     block: DraftBlock
-    lengths: list[int]  # l_r per decoding request
+    lengths: list[int]  # l_r per decoding request: the draft tokens it verifies
+    carried: list[int] | None = None  # draft tokens its forward carries: l_r, or fewer (`cut_at_grammars`)
+
+    def __post_init__(self) -> None:
+        if self.carried is None:
+            self.carried = list(self.lengths)
 
 
 @dataclass
@@ -59,6 +65,8 @@ def draft(
     if block.num_valid is not None:
         lengths = np.minimum(lengths, block.num_valid.cpu().numpy())
     lengths = np.maximum(np.minimum(lengths, verify_limits(decodes)), 0)
+    lengths, carried = cut_at_grammars(decodes, block.tokens, lengths.tolist())
+    lengths = np.array(lengths, dtype=np.int64)
     if confidences is not None:  # what the confidence head expects to be accepted
         survival = survival_probabilities(confidences)
         verified = np.arange(survival.shape[1]) < lengths[:, None]
@@ -66,7 +74,25 @@ def draft(
         report.predicted_accepted_tokens = float(per_position.sum())
         report.predicted_per_position = per_position.tolist()
     report.schedule_time_s = time.perf_counter() - t1
-    return Draft(block, lengths.tolist()), report
+    return Draft(block, lengths.tolist(), carried), report
+
+
+def cut_at_grammars(
+    decodes: Sequence[Request], tokens: torch.Tensor, lengths: list[int]
+) -> tuple[list[int], list[int]]:
+    """(verify lengths, draft tokens each forward carries) once every structured request's grammar
+    has checked its drafts: where it forbids draft k < l_r, the request verifies drafts 0..k and
+    its forward carries drafts 0..k-1 only.
+
+    Lossless: draft k has zero probability under the constrained target, so verification rejects
+    it whatever the later rows hold, and the token drawn in its place (from the residual of row k,
+    or row k's argmax) needs only row k, which a forward over the anchor and drafts 0..k-1 gives.
+    Cutting the verify length to k instead would draw that token from row k itself, not from the
+    residual, which is wrong for sampled drafts."""
+    forbidden = forbidden_drafts([r.grammar for r in decodes], tokens, lengths)
+    verified = [n if k is None else k + 1 for n, k in zip(lengths, forbidden, strict=True)]
+    carried = [n if k is None else k for n, k in zip(lengths, forbidden, strict=True)]
+    return verified, carried
 
 
 def verify_limits(decodes: Sequence[Request]) -> list[int]:
@@ -81,8 +107,8 @@ def verify_limits(decodes: Sequence[Request]) -> list[int]:
 
 
 def draft_lists(draft: Draft) -> list[list[int]]:
-    """Each decode's verified draft tokens, as the runner feeds them."""
-    if not draft.lengths or max(draft.lengths) == 0:
-        return [[] for _ in draft.lengths]
-    rows = draft.block.tokens[:, : max(draft.lengths)].tolist()
-    return [row[:n] for row, n in zip(rows, draft.lengths, strict=True)]
+    """Each decode's draft tokens that its forward carries, as the runner feeds them."""
+    if not draft.carried or max(draft.carried) == 0:
+        return [[] for _ in draft.carried]
+    rows = draft.block.tokens[:, : max(draft.carried)].tolist()
+    return [row[:n] for row, n in zip(rows, draft.carried, strict=True)]

@@ -30,7 +30,7 @@ def step_stats(
         num_prefill_tokens=sum(c for _, c in plan.prefills),
         prefix_cache_queries=prefix[0],
         prefix_cache_hits=prefix[1],
-        verify_batch_tokens=sum(1 + n for n in draft.lengths),
+        verify_batch_tokens=sum(1 + n for n in draft.carried),
         num_drafts=sum(n > 0 for n in draft.lengths),
         num_draft_tokens=sum(draft.lengths),
         num_accepted_tokens=sum(accepted),

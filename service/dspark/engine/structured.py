@@ -6,7 +6,9 @@ the next-token mask in microseconds and rolls back consumed tokens. Under specul
 of a verification block is masked with the grammar state advanced over draft tokens 0..k-1, then
 rolled back; only the tokens the step accepts are committed. A draft token the grammar forbids has
 zero target probability, so verification rejects it; the output is exactly plain constrained
-decoding's (greedy) or distributed as it (sampled).
+decoding's (greedy) or distributed as it (sampled). Before the forward, each request's drafts are
+checked against its grammar (`forbidden_drafts`), so that the forward stops short of a forbidden
+draft instead of computing rows that verification can never reach.
 """
 
 from __future__ import annotations
@@ -82,6 +84,33 @@ class GrammarState:
                 return tokens[:i]
         return tokens
 
+    def first_forbidden(self, drafts: list[int]) -> int | None:
+        """Position of the first draft the grammar forbids (None: it takes them all), as the masks
+        of `allowed` say: an EOS is forbidden unless the grammar may end there, and nothing after
+        an EOS is read. The matcher's state is as before when it returns."""
+        if self.error is not None:
+            return None
+        body = self._until_eos(drafts)
+        try:
+            valid = self.matcher.validate_tokens(body) if body else 0
+            if valid < len(body):
+                return valid
+            if len(body) == len(drafts):
+                return None
+            # An EOS follows. validate_tokens refuses it once the grammar has stopped (no token
+            # can follow), where the mask still allows it: ask is_accepting, as `advance` does.
+            if body and not self.matcher.consume_tokens(body):
+                self._fail(self.matcher.get_error() or "the grammar rejected validated tokens")
+                return None
+            ends = self.matcher.is_accepting()
+            if body and not self.matcher.rollback(len(body)):
+                self._fail("rollback failed")
+                return None
+        except Exception as e:  # a library failure fails this request alone
+            self._fail(str(e))
+            return None
+        return None if ends else len(body)
+
     def allowed(self, drafts: list[int], width: int, vocab: int) -> torch.Tensor:
         """[width, vocab] bool: the tokens allowed at each block position, position k after drafts
         0..k-1. Past the first forbidden draft the rows are never read (it is rejected there)."""
@@ -116,6 +145,21 @@ def unpack_bits(bits: torch.Tensor, vocab: int) -> torch.Tensor:
     """int32 bitmask [N, ceil(V / 32)] (bit j of word i = token 32 i + j) -> bool [N, V]."""
     shifts = torch.arange(32, dtype=torch.int32)
     return ((bits[:, :, None] >> shifts) & 1).reshape(bits.shape[0], -1)[:, :vocab].bool()
+
+
+def forbidden_drafts(
+    grammars: Sequence[GrammarState | None], drafts: torch.Tensor, lengths: Sequence[int]
+) -> list[int | None]:
+    """Per row, the first of its `lengths[r]` verified drafts (drafts [R, >= max length], any
+    device) that its grammar forbids; None for rows without a grammar or without such a draft."""
+    rows = [i for i, g in enumerate(grammars) if g is not None and lengths[i] > 0]
+    out: list[int | None] = [None] * len(grammars)
+    if not rows:
+        return out
+    host = drafts[rows, : max(lengths[i] for i in rows)].tolist()
+    for i, row_drafts in zip(rows, host, strict=True):
+        out[i] = grammars[i].first_forbidden(row_drafts[: lengths[i]])
+    return out
 
 
 def grammar_masks(

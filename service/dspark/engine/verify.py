@@ -32,7 +32,7 @@ def verify(plan: StepPlan, draft: Draft, forward: StepForward, device: torch.dev
     if decodes:
         width = max(draft.lengths)
         row_logits = verification_logits(
-            forward.output.logits, forward.logit_starts[: len(decodes)], draft.lengths, width
+            forward.output.logits, forward.logit_starts[: len(decodes)], draft.carried, width
         )
         num_accepted, next_tokens = _verify_decodes(decodes, draft, row_logits, width, device)
         accepted, nexts = num_accepted.tolist(), next_tokens.tolist()
@@ -82,8 +82,8 @@ def _first_tokens(
 def verification_logits(
     logits: torch.Tensor, starts: list[int], lengths: list[int], width: int
 ) -> torch.Tensor:
-    """[R, width + 1, V]: each decode's logits at its anchor and verified drafts (rows past its own
-    length repeat its last one)."""
+    """[R, width + 1, V]: each decode's logits at its anchor and the drafts its forward carried
+    (`lengths`; rows past its own length repeat its last one)."""
     index = [start + min(k, n) for start, n in zip(starts, lengths, strict=True) for k in range(width + 1)]
     if index == list(range(len(index))):  # every decode verified `width` drafts (plain decoding always)
         return logits[: len(index)].view(len(starts), width + 1, -1)
