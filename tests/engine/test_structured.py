@@ -159,6 +159,29 @@ def test_forbidden_drafts_are_cut_from_the_forward_and_output_stays_plain(tiny8)
     assert max(c[3] for c in steps_with_all_four) == 3, carried  # the neighbour is not cut
 
 
+def test_a_grammar_failure_after_the_cut_fails_that_request_alone(tiny8):
+    """The grammar check cuts the forward, then the mask computation fails: that request ends with
+    an error (it cannot accept the draft its forward never carried), its neighbour is unharmed."""
+    path, _ = tiny8
+    engine = engine_on(path, ConstantDrafter([4, 4, 4]), "static:3", char_tokenizer())
+    regex = StructuredOutput(kind="regex", value="[ab]{6}")
+    # Without its masks the bias makes the forbidden draft (e) the target's choice.
+    biased = SamplingParams(temperature=0.0, max_tokens=10, structured=regex, logit_bias={4: 100.0})
+    broken = engine.add_request([1, 5, 2], biased)
+    fine = engine.add_request([3, 3, 1], SamplingParams(temperature=0.0, max_tokens=10, structured=regex))
+
+    def failing_allowed(*args):
+        raise RuntimeError("simulated mask failure")
+
+    outputs = engine.step()  # the prompts, and the first tokens under working masks
+    engine.requests[broken].grammar.allowed = failing_allowed
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    final = {o.request_id: o for o in outputs if o.finished}
+    assert final[broken].finish_reason == "error" and "simulated" in final[broken].error
+    assert final[fine].finish_reason == "stop" and final[fine].num_output_tokens == 7
+
+
 def test_cutting_forbidden_drafts_changes_no_sampled_token(tiny8, monkeypatch):
     """Seeded sampling, drafts drawn uniformly (most of them forbidden): every token is the one the
     uncut forward gives. The cut keeps each forbidden draft's residual (drawing from the target row

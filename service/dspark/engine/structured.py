@@ -170,7 +170,8 @@ def grammar_masks(
     vocab: int,
 ) -> torch.Tensor | None:
     """[R, width, V] allowed tokens for the rows with a grammar (all True elsewhere); None when no
-    row has one. drafts [R, >= width - 1] on any device; lengths: each row's verify length."""
+    row has one. drafts [R, >= width - 1] on any device; lengths: the drafts before each row's last
+    position that verification reads."""
     rows = [i for i, g in enumerate(grammars) if g is not None]
     if not rows:
         return None

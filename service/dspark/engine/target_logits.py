@@ -33,7 +33,7 @@ def process_rows(
     lengths: Sequence[int] | None = None,
 ) -> ProcessedRows | None:
     """Process the rows that need it; logits [R, W, V] (position k after drafts [R, >= W - 1]
-    0..k-1, each row verifying lengths[r]) or [R, V] (a prompt's first token). None: no row."""
+    0..k-1, row r read up to position lengths[r]) or [R, V] (a prompt's first token). None: no row."""
     rows = [i for i, r in enumerate(requests) if r.params.processes_logits or r.grammar is not None]
     if not rows:
         return None

@@ -22,7 +22,8 @@ def verify_draft_tokens(
     draft_tokens [R, G]; draft_probs [R, G, V] (the distributions the tokens were drawn from;
     None means deterministic one-hot drafts, e.g. n-gram lookup); target_probs [R, G + 1, V]
     (target distribution after each verified input, already temperature/top-k/top-p
-    processed); lengths [R] the verify length l_r <= G of each request (0 = plain decode);
+    processed; [R, G, V] is enough when no row can accept all G drafts, e.g. each row verifying G
+    ends at a draft of probability 0, whose row is the last one read); lengths [R] the verify length l_r <= G of each request (0 = plain decode);
     host_lengths, the same on the host when known: a seeded row with l_r = 0 then draws exactly
     what plain decoding draws from its generator (one token), so speculation turned off for one
     request reproduces its plain output while its neighbours speculate.
@@ -69,7 +70,7 @@ def verify_greedy(
     """`verify_draft_tokens` for greedy rows, without probabilities: accept while the draft equals
     the target argmax; the next token is the argmax after the accepted prefix.
 
-    draft_tokens [R, G]; target_argmax [R, G + 1]; lengths [R].
+    draft_tokens [R, G]; target_argmax [R, G + 1] (or [R, G], as in `verify_draft_tokens`); lengths [R].
     """
     gamma = draft_tokens.shape[1]
     in_budget = torch.arange(gamma, device=lengths.device)[None, :] < lengths[:, None]

@@ -21,7 +21,7 @@ class Verified:
 
     accepted: list[int]  # per decode: draft tokens accepted
     new_tokens: list[list[int]]  # per decode: the accepted drafts and the target's next token
-    row_logits: torch.Tensor | None  # [R, width + 1, V] the decodes' verification logits
+    row_logits: torch.Tensor | None  # [R, max carried + 1, V] the decodes' verification logits
     first_tokens: list[tuple[Request, int, int]]  # (request, token, logit row) per completed prompt
 
 
@@ -31,8 +31,10 @@ def verify(plan: StepPlan, draft: Draft, forward: StepForward, device: torch.dev
     decodes = plan.decodes
     if decodes:
         width = max(draft.lengths)
+        # A row whose grammar cut its forward at draft k never reads past row k (draft k is
+        # rejected), so the rows stop at the longest forward: width + 1, or width when cut.
         row_logits = verification_logits(
-            forward.output.logits, forward.logit_starts[: len(decodes)], draft.carried, width
+            forward.output.logits, forward.logit_starts[: len(decodes)], draft.carried, max(draft.carried)
         )
         num_accepted, next_tokens = _verify_decodes(decodes, draft, row_logits, width, device)
         accepted, nexts = num_accepted.tolist(), next_tokens.tolist()
@@ -44,15 +46,26 @@ def verify(plan: StepPlan, draft: Draft, forward: StepForward, device: torch.dev
 def _verify_decodes(decodes: list[Request], draft: Draft, row_logits: torch.Tensor, width: int, device):
     """Rejection sampling from the processed target distribution; all-greedy batches skip the
     probabilities (same result, less work)."""
-    lengths = torch.tensor(draft.lengths, device=device)
     tokens = draft.block.tokens[:, :width]
-    processed = process_rows(decodes, row_logits, tokens, draft.lengths)
+    processed = process_rows(decodes, row_logits, tokens, draft.carried)
+    host_lengths = _verify_lengths(decodes, draft)
+    lengths = torch.tensor(host_lengths, device=device)
     if all(r.params.greedy for r in decodes):
         return verify_greedy(tokens, target_argmax(row_logits, processed), lengths)
     sampling = SamplingTensors.for_requests(decodes, device)
     probs = draft.block.probs[:, :width] if draft.block.probs is not None else None
     target = target_probs(row_logits, sampling, processed)
-    return verify_draft_tokens(tokens, probs, target, lengths, sampling.generators, draft.lengths)
+    return verify_draft_tokens(tokens, probs, target, lengths, sampling.generators, host_lengths)
+
+
+def _verify_lengths(decodes: list[Request], draft: Draft) -> list[int]:
+    """Each decode's verify length. A request whose grammar failed while its rows were processed
+    (its masks forbid nothing now) verifies only the drafts its forward carried: it finishes with
+    an error, and must not accept a draft whose logits and KV its forward never computed."""
+    return [
+        carried if r.grammar is not None and r.grammar.error is not None else n
+        for r, n, carried in zip(decodes, draft.lengths, draft.carried, strict=True)
+    ]
 
 
 def _first_tokens(
