@@ -1,4 +1,5 @@
-"""`dspark serve` as a user runs it: the documented curl request works, SIGTERM drains and cleans up."""
+"""`dspark serve` as a user runs it: the documented curl request works, the official client's
+structured-output parse() with a pydantic model works, SIGTERM drains and cleans up."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import psutil
 import pytest
+from pydantic import BaseModel, Field
 
 from tests.serving.live_server import free_port
 
@@ -82,6 +85,32 @@ def test_documented_curl_returns_generated_text(served, doc):
     reply = json.loads(out)
     assert reply["choices"][0]["message"]["content"].strip()
     assert reply["usage"]["completion_tokens"] > 0
+
+
+class City(BaseModel):
+    name: str = Field(min_length=1, max_length=24)
+    country: str = Field(min_length=1, max_length=24)
+    population_millions: int = Field(ge=0, le=100)
+
+
+def test_openai_parse_with_a_pydantic_model(served):
+    _, port = served
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120
+    )
+    completion = client.beta.chat.completions.parse(
+        model="smollm2-135m",
+        messages=[{"role": "user", "content": "Give me a famous city as JSON."}],
+        response_format=City,
+        max_tokens=100,
+        temperature=0,
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    city = choice.message.parsed
+    assert isinstance(city, City), choice.message.content
+    assert City.model_validate_json(choice.message.content) == city
+    assert city.name.strip() and city.country.strip() and 0 <= city.population_millions <= 100
 
 
 def test_readme_starts_with_the_serve_command():
