@@ -185,7 +185,7 @@ def test_a_shard_of_another_target_is_refused_naming_the_mismatch(
     with pytest.raises(ForeignShard, match=field):  # and it is not extended either
         _add(corpus, 1, tmp_path)
 
-    result = _train(tmp_path, tiny_target, corpus, "--data-only", "--skip-bad-shards")
+    result = _train(tmp_path, tiny_target, corpus, "--data-only", "--skip-bad-shards", "--features", "cached")
     assert result.exit_code != 0 and "Traceback" not in result.output
     assert f"shard-00000.json was written for another target: {field}" in result.output
 
@@ -217,7 +217,7 @@ def test_a_corrupt_shard_is_reported_and_skipped_only_with_the_flag(
 
     result = _train(tmp_path, tiny_target, corpus, "--data-only")
     assert result.exit_code != 0 and "Traceback" not in result.output and name in result.output
-    result = _train(tmp_path, tiny_target, corpus, "--data-only", "--skip-bad-shards")
+    result = _train(tmp_path, tiny_target, corpus, "--data-only", "--skip-bad-shards", "--features", "cached")
     assert result.exit_code == 0, result.output
     assert len(list((tmp_path / "data" / "corpus-features").iterdir())) == 1
 
@@ -241,7 +241,7 @@ def test_train_reads_the_shards_and_generates_nothing(tmp_path, tiny_target, pro
     assert result.exit_code == 0, result.output
     assert "2 shards written" in result.output and "tokens/s" in result.output
 
-    result = _train(tmp_path, tiny_target, corpus)
+    result = _train(tmp_path, tiny_target, corpus, "--features", "cached")
     assert result.exit_code == 0, result.output + repr(result.exception)
     assert (tmp_path / "out-dspark" / "final" / "model.safetensors").is_file()
     data = tmp_path / "data"
@@ -252,7 +252,7 @@ def test_train_reads_the_shards_and_generates_nothing(tmp_path, tiny_target, pro
     # A grown corpus adds feature shards for its new shard only.
     stamp = (features[0] / "features-00000.safetensors").stat().st_mtime_ns
     _add(corpus, 1, tmp_path)
-    assert _train(tmp_path, tiny_target, corpus, "--data-only").exit_code == 0
+    assert _train(tmp_path, tiny_target, corpus, "--data-only", "--features", "cached").exit_code == 0
     assert len(list((data / "corpus-features").iterdir())) == 3
     assert (features[0] / "features-00000.safetensors").stat().st_mtime_ns == stamp
 

@@ -62,7 +62,7 @@ def test_train_exports_a_loadable_drafter_that_the_engine_runs(tmp_path, tiny_ta
 def test_data_stage_writes_samples_features_and_overlap_report(tmp_path, tiny_target):
     prompts = write_prompts(tmp_path / "prompts.jsonl", 30)
     config = tiny_config(tmp_path, tiny_target, "dspark", prompts)
-    assert _run(config, tmp_path, "--data-only").exit_code == 0
+    assert _run(config, tmp_path, "--data-only", "--features", "cached").exit_code == 0
     samples = [json.loads(line) for line in (tmp_path / "data" / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 12
     assert {s["domain"] for s in samples} == {"chat", "code", "math"}

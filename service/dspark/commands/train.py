@@ -37,7 +37,22 @@ def train() -> None:
     default=None,
     help="Also copy the exported drafter here (e.g. the shipped-drafter directory).",
 )
-@click.option("--data-only", is_flag=True, help="Only build the data directory (prompts, samples, features).")
+@click.option(
+    "--features",
+    type=click.Choice(["online", "cached"]),
+    default=None,
+    help="Override the config's features: the target's forward per batch, or stored feature shards.",
+)
+@click.option(
+    "--warm-start",
+    default=None,
+    help="Override the config's warm_start: auto | shipped | none | a drafter checkpoint directory.",
+)
+@click.option(
+    "--data-only",
+    is_flag=True,
+    help="Only build the data directory (prompts, samples, and the features when they are cached).",
+)
 @click.option(
     "--skip-bad-shards",
     is_flag=True,
@@ -50,6 +65,8 @@ def run(
     max_steps: int | None,
     stop_after: int | None,
     export_to: Path | None,
+    features: str | None,
+    warm_start: str | None,
     data_only: bool,
     skip_bad_shards: bool,
     no_progress: bool,
@@ -72,9 +89,13 @@ def run(
         updates: dict = {}
         if device is not None:
             updates["device"] = device
+        if features is not None:
+            updates["features"] = features
+        if warm_start is not None:
+            updates["warm_start"] = warm_start
         if max_steps is not None:
             updates["optim"] = cfg.optim.model_copy(update={"max_steps": max_steps})
-        cfg = cfg.model_copy(update=updates)
+        cfg = TrainConfig.model_validate({**cfg.model_dump(), **updates})
     except ValidationError as exc:
         raise click.ClickException(f"{config}: {describe(exc)}") from exc
     except ValueError as exc:
@@ -82,17 +103,16 @@ def run(
     try:
         if data_only:
             from dspark.engine.config import resolve_device, resolve_dtype
-            from dspark.training.pipeline import prepare_data
+            from dspark.training.pipeline import collect_samples, prepare_data
 
             dev = resolve_device(cfg.device)
-            shards = prepare_data(
-                cfg,
-                dev,
-                resolve_dtype(cfg.dtype, dev),
-                progress=not no_progress,
-                skip_bad_shards=skip_bad_shards,
-            )
-            click.echo(f"data ready: {len(shards)} feature shards in {cfg.data_dir}")
+            args = (cfg, dev, resolve_dtype(cfg.dtype, dev))
+            if cfg.features == "cached":
+                shards = prepare_data(*args, progress=not no_progress, skip_bad_shards=skip_bad_shards)
+                click.echo(f"data ready: {len(shards)} feature shards in {cfg.data_dir}")
+            else:
+                groups = collect_samples(*args, progress=not no_progress, skip_bad_shards=skip_bad_shards)
+                click.echo(f"data ready: {sum(len(s) for _, s in groups)} samples (features computed online)")
             return
         from dspark.training.run import run_training
 

@@ -123,6 +123,17 @@ class TrainConfig(_Strict):
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="Autocast dtype of target and drafter forwards; losses stay fp32."
     )
+    features: Literal["online", "cached"] = Field(
+        "online",
+        description="online: the frozen target's forward on each batch (nothing stored); cached: "
+        "feature shards under data_dir (about 4.6 KB per token for SmolLM2-135M), loaded into memory.",
+    )
+    warm_start: Literal["auto", "shipped", "none"] | Path = Field(
+        "auto",
+        description="Weights a run without a checkpoint starts from: auto = the shipped drafter of this "
+        "kind when this target has one of the same shape, else fresh; shipped = that drafter or an error; "
+        "none = fresh; or a drafter checkpoint directory.",
+    )
 
     @model_validator(mode="after")
     def _layers_stored(self) -> TrainConfig:

@@ -42,7 +42,7 @@ def target_hidden(
     return [(feats[row, : len(seq)], last[row, : len(seq)]) for row, seq in enumerate(sequences)]
 
 
-def _batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+def length_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     """Indices grouped so that (batch size x longest) stays within max_tokens; sorted by length."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     batches, current, longest = [], [], 0
@@ -80,7 +80,7 @@ def extract_features(
             continue
         seqs = [s["prompt_ids"] + s["response_ids"] for s in chunk]
         results: list = [None] * len(seqs)
-        for group in _batches([len(s) for s in seqs], max_tokens):
+        for group in length_batches([len(s) for s in seqs], max_tokens):
             for i, res in zip(group, target_hidden(model, [seqs[i] for i in group], layers), strict=True):
                 results[i] = res
             bar.update(len(group))
@@ -105,8 +105,8 @@ def extract_features(
 @dataclass
 class Sequence:
     tokens: torch.Tensor  # [T] long
-    features: torch.Tensor  # [T, m*h] bf16 (the stored layers)
-    last: torch.Tensor  # [T, h] bf16
+    features: torch.Tensor | None  # [T, m*h] bf16 (the stored layers); None until computed online
+    last: torch.Tensor | None  # [T, h] bf16
     prompt_len: int
     domain: int
     log_norm: torch.Tensor | None = None  # [T] fp32 log sum exp of the target's logits (see below)
@@ -144,11 +144,15 @@ def add_log_normalizers(
     log_norm)) instead of the whole one, once per run instead of once per block position.
     """
     head = head.to(device)
-    with torch.no_grad():
-        for seq in tqdm(sequences, desc="target normalisers", disable=not progress, leave=False):
-            start = max(seq.prompt_len - 1, 0)
-            norm = torch.zeros(len(seq.tokens), dtype=torch.float32)
-            for chunk in range(start, len(seq.tokens), CHUNK_ROWS):
-                logits = seq.last[chunk : chunk + CHUNK_ROWS].to(device=device, dtype=head.dtype) @ head.T
-                norm[chunk : chunk + CHUNK_ROWS] = torch.logsumexp(logits.float(), dim=-1).cpu()
-            seq.log_norm = norm
+    for seq in tqdm(sequences, desc="target normalisers", disable=not progress, leave=False):
+        seq.log_norm = log_normalizer(seq.last, seq.prompt_len, head)
+
+
+@torch.no_grad()
+def log_normalizer(last: torch.Tensor, prompt_len: int, head: torch.Tensor) -> torch.Tensor:
+    """[T] fp32 log sum exp of `last @ head.T` from the last prompt position on (0 before it)."""
+    norm = torch.zeros(len(last), dtype=torch.float32)
+    for chunk in range(max(prompt_len - 1, 0), len(last), CHUNK_ROWS):
+        logits = last[chunk : chunk + CHUNK_ROWS].to(device=head.device, dtype=head.dtype) @ head.T
+        norm[chunk : chunk + CHUNK_ROWS] = torch.logsumexp(logits.float(), dim=-1).cpu()
+    return norm

@@ -49,21 +49,20 @@ def _record_time(cfg: TrainConfig, stage: str, seconds: float) -> None:
     path.write_text(json.dumps(manifest, indent=2) + "\n")
 
 
-def prepare_data(
+def collect_samples(
     cfg: TrainConfig,
     device: torch.device,
     dtype: torch.dtype,
     progress: bool = True,
     skip_bad_shards: bool = False,
-) -> list[Path]:
-    """Run the missing data stages; returns the feature shard paths.
+) -> list[tuple[Path, list[dict]]]:
+    """The training samples in groups, each with its feature directory (used by cached features).
 
     Samples come from the committed corpus shards (`data.corpus`, read as they are) and from
     `data.sources` / `data.raw_text` (generated here); each group of samples has its own feature
     shards, so a corpus that grows only adds feature shards for its new shards.
     """
     from dspark.models.pull import resolve_target
-    from transformers import AutoModelForCausalLM
 
     check_manifest(cfg)
     model_dir = resolve_target(cfg.target)
@@ -73,12 +72,25 @@ def prepare_data(
     groups += _corpus_samples(cfg, model_dir, skip_bad_shards)
     if not any(samples for _, samples in groups):
         raise NoUsableData(f"{cfg.data_dir}: no sample has a response of at least 2 tokens")
+    return groups
 
+
+def prepare_data(
+    cfg: TrainConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    progress: bool = True,
+    skip_bad_shards: bool = False,
+) -> list[Path]:
+    """Run the missing data stages, cached target features included; returns the feature shard paths."""
+    from dspark.models.pull import resolve_target
+
+    groups = collect_samples(cfg, device, dtype, progress, skip_bad_shards)
     paths_of = {d: [d / SHARD_PATTERN.format(i) for i in range((len(s) + 255) // 256)] for d, s in groups}
     missing = [(d, s) for d, s in groups if not all(p.is_file() for p in paths_of[d])]
     if missing:
         start = time.perf_counter()
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        model = load_target(resolve_target(cfg.target), device, dtype)
         for feature_dir, samples in missing:
             feature_dir.mkdir(parents=True, exist_ok=True)
             extract_features(
@@ -92,6 +104,14 @@ def prepare_data(
         del model
         _record_time(cfg, "features", time.perf_counter() - start)
     return [p for d, _ in groups for p in paths_of[d]]
+
+
+def load_target(model_dir: Path, device: torch.device, dtype: torch.dtype):
+    """The frozen target (HF causal LM) whose hidden states are the drafters' features."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    return model.requires_grad_(False)
 
 
 def _corpus_samples(cfg: TrainConfig, model_dir: Path, skip_bad: bool) -> list[tuple[Path, list[dict]]]:

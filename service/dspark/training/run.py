@@ -12,7 +12,8 @@ import torch
 from dspark.engine.config import resolve_device, resolve_dtype
 from dspark.training.config import TrainConfig
 from dspark.training.features import load_sequences
-from dspark.training.pipeline import prepare_data
+from dspark.training.online import OnlineFeatures, token_sequences
+from dspark.training.pipeline import collect_samples, load_target, prepare_data
 from dspark.training.prompts import NoUsableData
 from dspark.training.trainer import Trainer
 
@@ -42,33 +43,31 @@ def mask_token_for(model_dir: Path) -> int:
     return 0
 
 
-def run_training(
-    cfg: TrainConfig,
-    progress: bool = True,
-    stop_after: int | None = None,
-    export_to: Path | None = None,
-    skip_bad_shards: bool = False,
-) -> Path | None:
-    """Prepare the data, train (resuming), export; returns the exported directory (None if stopped early)."""
+def build_trainer(cfg: TrainConfig, progress: bool = True, skip_bad_shards: bool = False) -> Trainer:
+    """The data stages, then a Trainer at the run's checkpoint (or its warm start)."""
     from dspark.models.pull import resolve_target
 
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
-    start = time.perf_counter()
-    shards = prepare_data(cfg, device, dtype, progress=progress, skip_bad_shards=skip_bad_shards)
-    sequences = [
-        s
-        for s in load_sequences(shards, cfg.data.feature_layers, cfg.target_layer_ids)
-        if len(s.tokens) - s.prompt_len >= 2
-    ]
+    model_dir = resolve_target(cfg.target)
+    online = None
+    if cfg.features == "cached":
+        shards = prepare_data(cfg, device, dtype, progress=progress, skip_bad_shards=skip_bad_shards)
+        sequences = load_sequences(shards, cfg.data.feature_layers, cfg.target_layer_ids)
+    else:
+        groups = collect_samples(cfg, device, dtype, progress=progress, skip_bad_shards=skip_bad_shards)
+        sequences = token_sequences([samples for _, samples in groups])
+        online = OnlineFeatures(
+            load_target(model_dir, device, dtype), cfg.target_layer_ids, cfg.data.feature_batch_tokens
+        )
+    sequences = [s for s in sequences if len(s.tokens) - s.prompt_len >= 2]
     if not sequences:
         raise NoUsableData(f"{cfg.data_dir}: no sequence has a response to train on")
-    model_dir = resolve_target(cfg.target)
     target_config, target_state = _target_tensors(model_dir)
     target_config = target_config.get("text_config", target_config)
     embed = target_state["model.embed_tokens.weight"]
     head = target_state.get("lm_head.weight", embed)
-    trainer = Trainer(
+    return Trainer(
         cfg,
         sequences,
         target_config,
@@ -79,8 +78,20 @@ def run_training(
         mask_token_for(model_dir),
         dtype,
         device,
+        online,
     )
-    del target_state
+
+
+def run_training(
+    cfg: TrainConfig,
+    progress: bool = True,
+    stop_after: int | None = None,
+    export_to: Path | None = None,
+    skip_bad_shards: bool = False,
+) -> Path | None:
+    """Prepare the data, train (resuming), export; returns the exported directory (None if stopped early)."""
+    start = time.perf_counter()
+    trainer = build_trainer(cfg, progress, skip_bad_shards)
     metrics = trainer.train(progress=progress, stop_after=stop_after)
     log.info("training metrics: %s", metrics)
     if trainer.step < trainer.total:

@@ -15,6 +15,7 @@ import logging
 import math
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,7 +26,9 @@ from dspark.training.config import TrainConfig
 from dspark.training.features import Sequence, add_log_normalizers
 from dspark.training.forward import dspark_block_logits, eagle3_block_logits
 from dspark.training.losses import block_loss, expected_tau, position_weights
+from dspark.training.online import OnlineFeatures
 from dspark.training.packing import PackedBatch, pack
+from dspark.training.warmstart import WarmStart, apply_warm_start, find_warm_start, mismatch
 from tqdm import tqdm
 
 log = logging.getLogger(__name__)
@@ -43,8 +46,14 @@ def lr_at(step: int, total: int, cfg) -> float:
     )
 
 
-def batch_for_step(sequences: list[Sequence], step: int, cfg: TrainConfig) -> PackedBatch:
-    """Sequences of step `step` (a seeded permutation per epoch) and their anchors."""
+def batch_for_step(
+    sequences: list[Sequence],
+    step: int,
+    cfg: TrainConfig,
+    fill: Callable[[list[Sequence]], list[Sequence]] | None = None,
+) -> PackedBatch:
+    """Sequences of step `step` (a seeded permutation per epoch) and their anchors; `fill` gives the
+    drawn sequences their target features when those are computed online."""
     per_step = cfg.optim.sequences_per_step
     per_epoch = max(1, len(sequences) // per_step)
     epoch, index = divmod(step, per_epoch)
@@ -52,6 +61,8 @@ def batch_for_step(sequences: list[Sequence], step: int, cfg: TrainConfig) -> Pa
         len(sequences), generator=torch.Generator().manual_seed(cfg.optim.seed * 7919 + epoch)
     )
     chosen = [sequences[int(i)] for i in order[index * per_step : (index + 1) * per_step]]
+    if fill is not None:
+        chosen = fill(chosen)
     generator = torch.Generator().manual_seed(cfg.optim.seed * 1_000_003 + step)
     return pack(chosen, cfg.optim.anchors_per_sequence, cfg.drafter.block_size, generator)
 
@@ -74,11 +85,13 @@ class Trainer:
         mask_token_id: int,
         dtype: torch.dtype,
         device: torch.device,
+        online: OnlineFeatures | None = None,
     ) -> None:
         if not sequences:
             raise ValueError("no training sequences")
         self.cfg = cfg
         self.sequences = sequences
+        self.online = online
         self.dtype = dtype
         self.device = device
         self.out_dir = Path(cfg.out_dir)
@@ -87,27 +100,51 @@ class Trainer:
         raw = drafter_raw_config(spec, target_config, cfg.target_layer_ids, mask_token_id)
         self.vocab_size = raw["vocab_size"]
         state = self._load_state()
-        draft_vocab = None
-        if spec.draft_vocab_size and spec.draft_vocab_size < self.vocab_size:
-            draft_vocab = state["draft_vocab"] if state is not None else self.response_vocabulary()
-        self.draft_vocab = draft_vocab
+        warm = find_warm_start(cfg.warm_start, spec.kind, target_config) if state is None else None
         embed, head = shared
         low = dtype if dtype != torch.float32 else torch.float32
-        self.model = new_drafter(
-            raw,
-            embed.to(low),
-            head.to(low),
-            target_state,
-            spec.init_from_target_layers,
-            draft_vocab,
-            seed=cfg.optim.seed,
-        ).to(device)
+
+        def build(warm: WarmStart | None):
+            vocab = None
+            if spec.draft_vocab_size and spec.draft_vocab_size < self.vocab_size:
+                if state is not None:
+                    vocab = state["draft_vocab"]
+                elif warm is not None and warm.draft_vocab is not None:
+                    vocab = warm.draft_vocab
+                else:
+                    vocab = self.response_vocabulary()
+            model = new_drafter(
+                raw,
+                embed.to(low),
+                head.to(low),
+                target_state,
+                spec.init_from_target_layers,
+                vocab,
+                seed=cfg.optim.seed,
+            )
+            return model, vocab
+
+        self.model, self.draft_vocab = build(warm)
+        if warm is not None:
+            problem = mismatch(self.model, warm)
+            if problem is None:
+                apply_warm_start(self.model, warm)
+            elif warm.required:
+                raise ValueError(f"warm_start: {problem}")
+            else:  # auto: the shipped drafter has another shape than this config asks for
+                log.warning("not warm-starting: %s", problem)
+                warm = None
+                self.model, self.draft_vocab = build(None)
+        self.warm_start = str(warm.source) if warm is not None else None
+        self.model = self.model.to(device)
         # p^t is the target's own head (never the EAGLE-3 drafter's trained one), over the drafting
         # vocabulary's rows when there is one (its normaliser is computed once per position).
         self.to_target = self.model.draft_token_ids()
         target_head = head.to(device=device, dtype=low)
         if self.to_target is not None:
-            if any(seq.log_norm is None for seq in sequences):
+            if online is not None:
+                online.norm_head = target_head  # each batch's normalisers come with its features
+            elif any(seq.log_norm is None for seq in sequences):
                 add_log_normalizers(sequences, target_head, device)
             target_head = target_head[self.to_target]
         self.target_head = target_head
@@ -135,9 +172,12 @@ class Trainer:
 
     @staticmethod
     def _resume_key(config: dict) -> dict:
-        """What a checkpoint's config must share with this one to be resumed: all but the step budget."""
+        """What a checkpoint's config must share with this one to be resumed: all but the step budget,
+        how features are obtained (both give the same batches) and the starting point (done with)."""
         key = copy.deepcopy(config)
         key.get("optim", {}).pop("max_steps", None)
+        key.pop("features", None)
+        key.pop("warm_start", None)
         return key
 
     def _load_state(self) -> dict | None:
@@ -200,7 +240,8 @@ class Trainer:
         self.model.train()
         positions, started = 0, time.perf_counter()
         while self.step < end:
-            batch = batch_for_step(self.sequences, self.step, self.cfg).to(self.device)
+            fill = self.online.fill if self.online is not None else None
+            batch = batch_for_step(self.sequences, self.step, self.cfg, fill).to(self.device)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr_at(self.step, self.total, cfg)
             terms = self.loss(batch)
@@ -242,6 +283,8 @@ class Trainer:
             "steps": self.step,
             "train_wall_s": round(self.elapsed, 1),
             "sequences": len(self.sequences),
+            "features": self.cfg.features,
+            "warm_start": self.warm_start,
             "config": self.cfg.model_dump(mode="json"),
         }
         (target / "training.json").write_text(json.dumps(info, indent=2) + "\n")
