@@ -79,6 +79,9 @@ def test_warm_start_errors_and_auto(tmp_path, tiny_target):
     result = _run({**config, "warm_start": str(source)}, tmp_path)
     assert result.exit_code != 0 and "Traceback" not in result.output
     assert "warm_start:" in result.output and "shapes differ in" in result.output
+    other_vocab = {**config, "drafter": {**config["drafter"], "markov_rank": 8, "draft_vocab_size": 32}}
+    result = _run({**other_vocab, "warm_start": str(source)}, tmp_path)
+    assert result.exit_code != 0 and "drafts over 48 tokens, the config 32" in result.output
     result = _run({**config, "warm_start": "shipped"}, tmp_path)
     assert result.exit_code != 0 and "no shipped drafters for this target" in result.output
     # auto: nothing shipped for this target, so a fresh drafter (and the run says so).

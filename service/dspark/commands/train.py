@@ -38,6 +38,12 @@ def train() -> None:
     help="Also copy the exported drafter here (e.g. the shipped-drafter directory).",
 )
 @click.option(
+    "--export-every",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Also export the drafter to out_dir/step-NNNNNN every N steps (learning-curve points).",
+)
+@click.option(
     "--features",
     type=click.Choice(["online", "cached"]),
     default=None,
@@ -65,6 +71,7 @@ def run(
     max_steps: int | None,
     stop_after: int | None,
     export_to: Path | None,
+    export_every: int | None,
     features: str | None,
     warm_start: str | None,
     data_only: bool,
@@ -73,7 +80,8 @@ def run(
 ) -> None:
     """Train a DSpark, DFlash or EAGLE-3 drafter as described by CONFIG (YAML or JSON).
 
-    Resumable: rerunning the same config continues from the data directory and out_dir/state.pt.
+    Resumable: rerunning the same config continues from the data directory and out_dir/state.pt;
+    without a state.pt the run starts from `warm_start` (the shipped drafter of its kind by default).
     """
     from pydantic import ValidationError
 
@@ -122,6 +130,7 @@ def run(
             stop_after=stop_after,
             export_to=export_to,
             skip_bad_shards=skip_bad_shards,
+            export_every=export_every,
         )
     except (NoUsableData, SourceUnavailable, ShardError, ValueError) as exc:
         # Missing corpora, unusable data and a data or state directory written by another config.

@@ -88,11 +88,13 @@ def run_training(
     stop_after: int | None = None,
     export_to: Path | None = None,
     skip_bad_shards: bool = False,
+    export_every: int | None = None,
 ) -> Path | None:
-    """Prepare the data, train (resuming), export; returns the exported directory (None if stopped early)."""
+    """Prepare the data, train (resuming), export; returns the exported directory (None if stopped early).
+    `export_every` N also exports out_dir/step-NNNNNN every N steps (learning-curve points)."""
     start = time.perf_counter()
     trainer = build_trainer(cfg, progress, skip_bad_shards)
-    metrics = trainer.train(progress=progress, stop_after=stop_after)
+    metrics = trainer.train(progress=progress, stop_after=stop_after, export_every=export_every)
     log.info("training metrics: %s", metrics)
     if trainer.step < trainer.total:
         return None

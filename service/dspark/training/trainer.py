@@ -1,7 +1,8 @@
 """The training loop: packed anchor blocks, the DSpark objective, resumable checkpoints, export.
 
-State (`out_dir/state.pt`: trainable weights, optimizer, step, the EAGLE-3 vocabulary) is written
-every `checkpoint_every` steps and at the end; a rerun with the same config continues from it.
+State (`out_dir/state.pt`: trainable weights, optimizer, step, tokens seen, the drafting
+vocabulary) is written every `checkpoint_every` steps and at the end; a rerun with the same config
+continues from it, and a run without one starts from its warm start (`warmstart.py`).
 The batch of step s is a pure function of (seed, s), so a resumed run sees the same data as an
 uninterrupted one. The exported drafter (`out_dir/final`) is bf16 without the target's shared
 weights, loadable by `load_drafter`.
@@ -46,21 +47,28 @@ def lr_at(step: int, total: int, cfg) -> float:
     )
 
 
-def batch_for_step(
-    sequences: list[Sequence],
-    step: int,
-    cfg: TrainConfig,
-    fill: Callable[[list[Sequence]], list[Sequence]] | None = None,
-) -> PackedBatch:
-    """Sequences of step `step` (a seeded permutation per epoch) and their anchors; `fill` gives the
-    drawn sequences their target features when those are computed online."""
+def step_sequences(sequences: list[Sequence], step: int, cfg: TrainConfig) -> list[Sequence]:
+    """The sequences of step `step`: a seeded permutation per epoch, so a pure function of the step."""
     per_step = cfg.optim.sequences_per_step
     per_epoch = max(1, len(sequences) // per_step)
     epoch, index = divmod(step, per_epoch)
     order = torch.randperm(
         len(sequences), generator=torch.Generator().manual_seed(cfg.optim.seed * 7919 + epoch)
     )
-    chosen = [sequences[int(i)] for i in order[index * per_step : (index + 1) * per_step]]
+    return [sequences[int(i)] for i in order[index * per_step : (index + 1) * per_step]]
+
+
+def batch_for_step(
+    sequences: list[Sequence],
+    step: int,
+    cfg: TrainConfig,
+    fill: Callable[[list[Sequence]], list[Sequence]] | None = None,
+    chosen: list[Sequence] | None = None,
+) -> PackedBatch:
+    """The packed blocks of step `step` (its sequences, or `chosen` when already drawn); `fill`
+    gives the drawn sequences their target features when those are computed online."""
+    if chosen is None:
+        chosen = step_sequences(sequences, step, cfg)
     if fill is not None:
         chosen = fill(chosen)
     generator = torch.Generator().manual_seed(cfg.optim.seed * 1_000_003 + step)
@@ -124,6 +132,16 @@ class Trainer:
             )
             return model, vocab
 
+        if (
+            warm is not None
+            and warm.draft_vocab is not None
+            and len(warm.draft_vocab) != spec.draft_vocab_size
+        ):
+            problem = f"{warm.source} drafts over {len(warm.draft_vocab)} tokens, the config {spec.draft_vocab_size}"
+            if warm.required:
+                raise ValueError(f"warm_start: {problem}")
+            log.warning("not warm-starting: %s", problem)
+            warm = None
         self.model, self.draft_vocab = build(warm)
         if warm is not None:
             problem = mismatch(self.model, warm)
@@ -154,6 +172,7 @@ class Trainer:
         )
         self.weights = position_weights(spec.block_size, cfg.loss.decay, device)
         self.step = 0
+        self.tokens_seen = 0  # response tokens of the sequences drawn so far (the learning curves' x)
         self.elapsed = 0.0
         self.total = total_steps(len(sequences), cfg)
         if state is not None:
@@ -162,6 +181,7 @@ class Trainer:
                 raise ValueError(f"{self.out_dir / STATE_FILE} does not match this drafter config")
             self.optimizer.load_state_dict(state["optimizer"])
             self.step = state["step"]
+            self.tokens_seen = state.get("tokens_seen", 0)
             self.elapsed = state.get("elapsed_s", 0.0)
             log.info("resuming %s at step %d", self.out_dir, self.step)
 
@@ -199,6 +219,7 @@ class Trainer:
             },
             "optimizer": self.optimizer.state_dict(),
             "step": self.step,
+            "tokens_seen": self.tokens_seen,
             "elapsed_s": self.elapsed,
             "draft_vocab": self.draft_vocab,
         }
@@ -229,8 +250,11 @@ class Trainer:
             log_norm.reshape(n, -1) if log_norm is not None else None,
         )
 
-    def train(self, progress: bool = True, stop_after: int | None = None) -> dict:
-        """Train up to the configured number of steps (or `stop_after` more); returns the last metrics."""
+    def train(
+        self, progress: bool = True, stop_after: int | None = None, export_every: int | None = None
+    ) -> dict:
+        """Train up to the configured number of steps (or `stop_after` more); returns the last metrics.
+        `export_every` N exports the drafter to out_dir/step-NNNNNN every N steps."""
         cfg = self.cfg.optim
         end = self.total if stop_after is None else min(self.total, self.step + stop_after)
         bar = tqdm(
@@ -241,7 +265,9 @@ class Trainer:
         positions, started = 0, time.perf_counter()
         while self.step < end:
             fill = self.online.fill if self.online is not None else None
-            batch = batch_for_step(self.sequences, self.step, self.cfg, fill).to(self.device)
+            chosen = step_sequences(self.sequences, self.step, self.cfg)
+            self.tokens_seen += sum(len(seq.tokens) - seq.prompt_len for seq in chosen)
+            batch = batch_for_step(self.sequences, self.step, self.cfg, fill, chosen).to(self.device)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr_at(self.step, self.total, cfg)
             terms = self.loss(batch)
@@ -254,6 +280,7 @@ class Trainer:
             now = time.perf_counter()
             metrics = {
                 "step": self.step,
+                "tokens": self.tokens_seen,
                 "loss": round(terms.total.item(), 4),
                 "ce": round(terms.ce.item(), 4),
                 "tv": round(terms.tv.item(), 4),
@@ -272,15 +299,19 @@ class Trainer:
                 self.save_state()
                 with open(self.out_dir / "log.jsonl", "a") as f:
                     f.write(json.dumps({**metrics, "elapsed_s": round(self.elapsed, 1)}) + "\n")
+            if export_every and self.step % export_every == 0:
+                self.export(self.out_dir / f"step-{self.step:06d}")
         bar.close()
         return metrics
 
     def export(self, out: Path | None = None) -> Path:
         """bf16 checkpoint without the shared weights: out_dir/final (or `out`)."""
         target = Path(out) if out is not None else self.out_dir / FINAL_DIR
-        save_draft_model(self.model.to(torch.bfloat16).eval(), target)
+        # A bf16 copy: training may go on with the weights at full precision.
+        save_draft_model(copy.deepcopy(self.model).to(torch.bfloat16).eval(), target)
         info = {
             "steps": self.step,
+            "tokens_seen": self.tokens_seen,
             "train_wall_s": round(self.elapsed, 1),
             "sequences": len(self.sequences),
             "features": self.cfg.features,

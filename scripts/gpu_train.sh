@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# The training run for a GPU machine: grow the self-distilled corpus, train DSpark, DFlash and EAGLE-3
+# at equal budgets with online target features, and measure tau (block 7, whole block verified,
+# T = 0 and 1) at POINTS points of training tokens. Results land in $OUT (default runs/gpu-train):
+#   log.txt, shards/ (the new corpus shards: copy them into the corpus directory to keep them),
+#   train/KIND/ (state.pt, log.jsonl, step-NNNNNN/ exports, final/), configs/,
+#   acceptance/ (`dspark bench acceptance` over every point's exports), learning_curve.json / .png
+#   (tau vs training tokens, the three drafters in one figure).
+# Each stage has a time limit; generation is resumable and keeps every finished shard.
+# Usage: bash scripts/gpu_train.sh   (DSPARK_SKIP_INSTALL=1: use the current Python environment)
+# Budgets (environment):
+#   DEVICE (cuda), TARGET (the configs' own, e.g. smollm2-135m), CORPUS (data/selfdistill/smollm2-135m),
+#   ADD_SHARDS (16 shards of 512 prompts, about 2M response tokens), GEN_BATCH (1024), GEN_TIMEOUT (300 s),
+#   CONFIGS (configs/train/smollm2-135m-KIND.yaml: KIND is replaced), KINDS (dspark dflash eagle3),
+#   STEPS (1200 per drafter), POINTS (4), SEQUENCES (sequences per step; the configs' own), WARM_START (none),
+#   TRAIN_TIMEOUT (240 s per drafter), EVAL_PROMPTS (8 per domain), EVAL_TOKENS (128), EVAL_TIMEOUT (300 s).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu-train}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+LOG="$OUT/log.txt"
+export PYTHONUNBUFFERED=1
+DEVICE=${DEVICE:-cuda}
+CORPUS=${CORPUS:-data/selfdistill/smollm2-135m}
+ADD_SHARDS=${ADD_SHARDS:-16}
+GEN_BATCH=${GEN_BATCH:-1024}
+CONFIGS=${CONFIGS:-configs/train/smollm2-135m-KIND.yaml}
+KINDS=${KINDS:-dspark dflash eagle3}
+STEPS=${STEPS:-1200}
+POINTS=${POINTS:-4}
+EVERY=$(( (STEPS + POINTS - 1) / POINTS ))
+export OUT DEVICE CORPUS STEPS EVERY
+if [ -z "${DSPARK_SKIP_INSTALL:-}" ]; then
+  python3 -m venv .venv-gpu && . .venv-gpu/bin/activate
+  pip install -q --upgrade pip && pip install -q torch && pip install -q -e '.[dev]'
+fi
+step() { echo "== $* ($(date -u +%T))" | tee -a "$LOG"; }
+step start: device $DEVICE, $ADD_SHARDS new shards at batch $GEN_BATCH, $STEPS steps x [$KINDS], a point every $EVERY
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | tee -a "$LOG"
+
+step corpus: $CORPUS
+before=$(ls "$CORPUS"/shard-*.json 2>/dev/null | sort)
+if [ "$ADD_SHARDS" -gt 0 ]; then
+  timeout "${GEN_TIMEOUT:-300}" dspark train data --add-shards "$ADD_SHARDS" --corpus "$CORPUS" --device "$DEVICE" \
+    --batch "$GEN_BATCH" --work-dir "$OUT/selfdistill-work" --no-progress 2>&1 | grep -v '^INFO' | tail -3 | tee -a "$LOG"
+fi
+mkdir -p "$OUT/shards"
+for manifest in $(comm -13 <(echo "$before") <(ls "$CORPUS"/shard-*.json 2>/dev/null | sort)); do
+  cp "$manifest" "${manifest%.json}.bin" "$OUT/shards/"
+done
+echo "new shards: $(ls "$OUT/shards" | grep -c json)" | tee -a "$LOG"
+
+for kind in $KINDS; do
+  step train $kind
+  python3 - "$kind" "${CONFIGS//KIND/$kind}" <<'EOF' 2>&1 | tee -a "$LOG"
+import os, sys
+from pathlib import Path
+import yaml
+kind, base = sys.argv[1], Path(sys.argv[2])
+cfg = yaml.safe_load(base.read_text())
+out = Path(os.environ["OUT"])
+cfg.update(data_dir=str(out / "data"), out_dir=str(out / "train" / kind), device=os.environ["DEVICE"],
+           features="online", warm_start=os.environ.get("WARM_START", "none"))
+if os.environ.get("TARGET"):
+    cfg["target"] = os.environ["TARGET"]
+cfg["data"]["corpus"] = [os.environ["CORPUS"]]
+cfg["optim"].update(max_steps=int(os.environ["STEPS"]), checkpoint_every=int(os.environ["EVERY"]))
+if os.environ.get("SEQUENCES"):
+    cfg["optim"]["sequences_per_step"] = int(os.environ["SEQUENCES"])
+(out / "configs").mkdir(exist_ok=True)
+(out / "configs" / f"{kind}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+print(f"config {out / 'configs' / f'{kind}.yaml'} from {base}")
+EOF
+  timeout "${TRAIN_TIMEOUT:-240}" dspark train "$OUT/configs/$kind.yaml" --export-every "$EVERY" --no-progress 2>&1 \
+    | grep -v '^INFO' | tail -3 | tee -a "$LOG"
+  tail -1 "$OUT/train/$kind/log.jsonl" 2>/dev/null | tee -a "$LOG"
+done
+
+target=$(python3 -c "import yaml,sys; print(yaml.safe_load(open(sys.argv[1]))['target'])" "$OUT/configs/${KINDS%% *}.yaml")
+drafters=""
+for point in $(ls -d "$OUT/train/${KINDS%% *}"/step-* 2>/dev/null | xargs -n1 basename | sort); do
+  missing=$(for kind in $KINDS; do [ -d "$OUT/train/$kind/$point" ] || printf '%s ' "$kind"; done)
+  if [ -n "$missing" ]; then echo "$point left out: no export of $missing(timed out?)" | tee -a "$LOG"; continue; fi
+  drafters+=$(for kind in $KINDS; do printf '%s,' "$OUT/train/$kind/$point"; done)
+done
+step acceptance: $(echo "${drafters%,}" | tr ',' '\n' | grep -c .) drafters
+# One process for every point: the engine and the bench prompts load once.
+timeout "${EVAL_TIMEOUT:-300}" dspark bench acceptance --target "$target" --drafters "${drafters%,}" --gammas 7 \
+  --temperatures 0,1.0 --num-prompts "${EVAL_PROMPTS:-8}" --max-tokens "${EVAL_TOKENS:-128}" --max-num-seqs 64 \
+  --device "$DEVICE" --output-dir "$OUT/acceptance" 2>&1 | grep -i 'error' | tail -8 | tee -a "$LOG"
+
+step learning curve
+python3 scripts/learning_curve.py "$OUT" 2>&1 | tee -a "$LOG"
+step done
