@@ -126,7 +126,7 @@ class TrainConfig(_Strict):
     features: Literal["online", "cached"] = Field(
         "online",
         description="online: the frozen target's forward on each batch (nothing stored); cached: "
-        "feature shards under data_dir (about 4.6 KB per token for SmolLM2-135M), loaded into memory.",
+        "feature shards under data_dir (about 4.4 KB per token for SmolLM2-135M), loaded into memory.",
     )
     warm_start: Literal["auto", "shipped", "none"] | Path = Field(
         "auto",
