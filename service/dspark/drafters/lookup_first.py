@@ -70,6 +70,9 @@ class LookupFirstDrafter(Drafter):
     def fresh_copy(self) -> LookupFirstDrafter:
         return LookupFirstDrafter(self.model.fresh_copy(), self.max_ngram, self.ema)
 
+    def use_static_shapes(self, batch_buckets: tuple[int, ...], max_context: int) -> None:
+        self.model.use_static_shapes(batch_buckets, max_context)
+
     def admit(self, request: Request) -> None:
         self.model.admit(request)
 

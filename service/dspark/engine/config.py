@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dspark.engine.policy_spec import PolicySettings, parse_policy
 from dspark.models.registry import DEFAULT_MODEL
+from dspark.models.static_batch import DEFAULT_BATCH_BUCKETS
 
 # The default drafter and policy: resolved when the engine loads, once the target and drafter are known.
 AUTO = "auto"
@@ -41,6 +42,14 @@ class EngineConfig(BaseModel):
     prefix_caching: bool = Field(
         True, description="Reuse the KV (and drafter context) of cached prompt prefixes."
     )
+    cuda_graphs: bool | None = Field(
+        None,
+        description="Replay decode and verification steps as CUDA graphs per batch bucket (None: on for "
+        "CUDA, off elsewhere; True off CUDA runs the same padded static-shape steps eagerly).",
+    )
+    cuda_graph_batch_sizes: tuple[int, ...] = Field(
+        DEFAULT_BATCH_BUCKETS, min_length=1, description="Request-count buckets, capped by max_num_seqs."
+    )
     sps_profile: Path | None = Field(
         None, description="SPS profile JSON (default: $DSPARK_SPS_PROFILE or the cache)."
     )
@@ -50,6 +59,17 @@ class EngineConfig(BaseModel):
     policy_settings: PolicySettings = Field(
         default_factory=PolicySettings, description="Tuning constants of the DSpark policies."
     )
+
+    @field_validator("cuda_graph_batch_sizes")
+    @classmethod
+    def _positive_buckets(cls, sizes: tuple[int, ...]) -> tuple[int, ...]:
+        if min(sizes) < 1:
+            raise ValueError("CUDA-graph batch sizes must be positive")
+        return tuple(sorted(set(sizes)))
+
+    def static_steps(self, device: torch.device) -> bool:
+        """Whether decode steps run padded to buckets (graphs captured on CUDA)."""
+        return device.type == "cuda" if self.cuda_graphs is None else self.cuda_graphs
 
     @field_validator("policy")
     @classmethod

@@ -20,12 +20,14 @@ from dspark.engine.prefix_cache import PrefixCache
 from dspark.engine.request import Request
 from dspark.engine.sampling_params import SamplingParams
 from dspark.engine.scheduler import Scheduler, StepPlan
+from dspark.engine.static_runner import StaticStepRunner
 from dspark.engine.stats import step_stats
 from dspark.engine.structured import GrammarCompiler
 from dspark.engine.verify import verify
 from dspark.engine.verify_policy import VerifyPolicy
 from dspark.models.config import head_dim
 from dspark.models.kv_cache import KVCache, check_kv_budget
+from dspark.models.static_batch import batch_buckets
 
 
 @dataclass
@@ -63,10 +65,12 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len, model.config.max_position_embeddings)
         mc = model.config
         per_token = KVCache.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, head_dim(mc), dtype)
-        check_kv_budget(per_token, config.max_num_seqs, self.max_model_len, device)
+        static = config.static_steps(device)
+        num_slots = config.max_num_seqs + static  # static steps' padding writes to one more slot
+        check_kv_budget(per_token, num_slots, self.max_model_len, device)
         self.cache = KVCache(
             mc.num_hidden_layers,
-            config.max_num_seqs,
+            num_slots,
             self.max_model_len,
             mc.num_key_value_heads,
             head_dim(mc),
@@ -74,6 +78,7 @@ class LLMEngine:
             device,
         )
         self.runner = ModelRunner(model, self.cache, device)
+        self.static_runner = self._static_runner() if static else None
         prefix_cache = PrefixCache(drafter.context_limit) if config.prefix_caching else None
         self.scheduler = Scheduler(self.cache, config.max_batch_tokens, prefix_cache)
         self.eos_ids = _eos_ids(model.config, tokenizer)
@@ -81,6 +86,25 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.last_step_stats = StepStats()
         self._ids = itertools.count()
+
+    def _static_runner(self) -> StaticStepRunner:
+        """Buckets of up to max_num_seqs requests x 1 token (plain decode) or 1 + gamma (verification);
+        graphs are captured here, before the first request, so a bucket set that does not fit is
+        refused at start-up."""
+        buckets = batch_buckets(self.config.max_num_seqs, self.config.cuda_graph_batch_sizes)
+        gamma = self.drafter.gamma
+        runner = StaticStepRunner(
+            self.model,
+            self.cache,
+            self.cache.allocate(self.config.max_num_seqs),  # the scratch slot, never freed
+            buckets,
+            (1, 1 + gamma) if gamma else (1,),
+            self.drafter.target_layers,
+            self.device,
+        )
+        runner.capture()
+        self.drafter.use_static_shapes(buckets, self.max_model_len)
+        return runner
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -169,7 +193,10 @@ class LLMEngine:
 
     def _run(self, plan: StepPlan, draft: drafting.Draft) -> tuple[StepForward, float]:
         started = time.perf_counter()
-        forward = self.runner.run(plan, drafting.draft_lists(draft), self.drafter.target_layers)
+        drafts = drafting.draft_lists(draft)
+        forward = self.static_runner.run(plan, drafts) if self.static_runner is not None else None
+        if forward is None:  # a prompt chunk, or outside every bucket
+            forward = self.runner.run(plan, drafts, self.drafter.target_layers)
         return forward, time.perf_counter() - started
 
     def _record(

@@ -17,7 +17,7 @@ class StepForward:
     """A forward's output and where each planned request's tokens and logits sit in it."""
 
     output: ForwardOutput
-    batch: ForwardBatch
+    offsets: list[int]  # start of each request's tokens in output.layer_hidden (len = R + 1)
     logit_starts: list[int]  # first row in output.logits per request (decodes, then prefills)
 
 
@@ -57,4 +57,4 @@ class ModelRunner:
         batch = ForwardBatch.build(slots, starts, lengths, logit_rows, self.device)
         input_ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         output = self.model(input_ids, batch, self.cache, hidden_layers=hidden_layers)
-        return StepForward(output, batch, logit_starts)
+        return StepForward(output, batch.offsets, logit_starts)

@@ -29,7 +29,7 @@ def postprocess(
     finish: Finish,
 ) -> list[RequestOutput]:
     """Cache what the target kept, hand its features to the drafter, and emit the new tokens."""
-    hidden, offsets, outputs = forward.output.layer_hidden, forward.batch.offsets, []
+    hidden, offsets, outputs = forward.output.layer_hidden, forward.offsets, []
     decodes = plan.decodes
     for i, request in enumerate(decodes):
         n = verified.accepted[i]

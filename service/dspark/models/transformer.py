@@ -20,6 +20,7 @@ from dspark.models.kv_cache import KVCache
 from dspark.models.norm import RMSNorm
 from dspark.models.rotary import RotaryEmbedding, apply_rotary
 from dspark.models.sdpa import attention, without_cudnn_attention
+from dspark.models.static_batch import PaddedBatch, attend_padded
 
 
 class Attention(nn.Module):
@@ -42,7 +43,12 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, cache: KVCache
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch | PaddedBatch,
+        cache: KVCache,
     ) -> torch.Tensor:
         t, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
         qk, v = self.qkv_proj(x).split([(heads + kv_heads) * self.head_dim, kv_heads * self.head_dim], -1)
@@ -59,6 +65,8 @@ class Attention(nn.Module):
         k_cache.transpose(1, 2).index_put_(where, k)
         v_cache.transpose(1, 2).index_put_(where, v)
 
+        if isinstance(batch, PaddedBatch):
+            return self.o_proj(attend_padded(q, k_cache, v_cache, batch).reshape(t, -1))
         if batch.short is not None and batch.short.covers_all:
             return self.o_proj(_attend_short(q, k_cache, v_cache, batch.short).reshape(t, -1))
         out = torch.empty_like(q)
@@ -122,7 +130,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, batch: ForwardBatch, cache: KVCache) -> torch.Tensor:
+    def forward(self, x, cos, sin, batch: ForwardBatch | PaddedBatch, cache: KVCache) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -155,7 +163,7 @@ class DecoderModel(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        batch: ForwardBatch,
+        batch: ForwardBatch | PaddedBatch,
         cache: KVCache,
         hidden_layers: tuple[int, ...] = (),
     ) -> ForwardOutput:

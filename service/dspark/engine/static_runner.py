@@ -1,0 +1,142 @@
+"""Decode and verification steps padded to (requests, tokens) buckets and replayed as CUDA graphs.
+
+A step whose rows are all decodes (no prompt chunk) and fit a bucket is padded to it and runs
+through `GraphSet`; any other step returns None and runs eagerly (`ModelRunner`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.engine.model_runner import StepForward
+from dspark.engine.scheduler import StepPlan
+from dspark.models.config import head_dim
+from dspark.models.cuda_graphs import GraphSet, check_graph_memory, free_device_memory
+from dspark.models.kv_cache import KVCache
+from dspark.models.static_batch import PaddedBatch, bucket_for
+from dspark.models.transformer import DecoderModel, ForwardOutput
+
+# Rows of the one metadata buffer copied to the device per step.
+_IDS, _POS, _SLOTS, _ROW_SLOTS, _REAL = range(5)
+
+
+class StaticStepRunner:
+    """Target steps over static buffers sized for the largest bucket; each bucket uses a prefix.
+
+    `scratch_slot` is a KV slot no request owns: padding tokens write their K/V there. Every
+    bucket attends over the cache's whole max_len, so a graph never depends on context lengths.
+    """
+
+    def __init__(
+        self,
+        model: DecoderModel,
+        cache: KVCache,
+        scratch_slot: int,
+        batch_buckets: tuple[int, ...],
+        widths: tuple[int, ...],
+        hidden_layers: tuple[int, ...],
+        device: torch.device,
+    ) -> None:
+        self.model, self.cache, self.scratch_slot = model, cache, scratch_slot
+        self.batch_buckets, self.widths = tuple(sorted(batch_buckets)), tuple(sorted(widths))
+        self.hidden_layers = hidden_layers
+        self.device = device
+        size = self.batch_buckets[-1] * self.widths[-1]
+        with torch.inference_mode():  # the model reads them in inference mode
+            self.meta = torch.full((5, size), scratch_slot, dtype=torch.int64, device=device)
+        self.graphs = GraphSet(device)
+        self.num_static_steps = 0  # steps this runner took (the rest ran eagerly)
+
+    @property
+    def keys(self) -> list[tuple[int, int]]:
+        return [(rows, width) for rows in self.batch_buckets for width in self.widths]
+
+    def estimate_bytes(self) -> int:
+        """Static buffers plus the memory pool, which the largest bucket's activations bound."""
+        return self.meta.numel() * 8 + step_activation_bytes(
+            self.model.config,
+            self.batch_buckets[-1],
+            self.widths[-1],
+            self.cache.max_len,
+            self.cache.k.element_size(),
+            len(self.hidden_layers),
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """On CUDA: refuse a bucket set that does not fit, then capture every bucket, largest first."""
+        if not self.graphs.enabled:
+            return
+        rows, width = self.keys[-1]
+        what = f"{len(self.keys)} step buckets up to {rows} requests x {width} tokens"
+        check_graph_memory(self.estimate_bytes(), free_device_memory(self.device), what)
+        self.meta[[_POS, _IDS]] = 0
+        self.meta[[_SLOTS, _ROW_SLOTS]] = self.scratch_slot  # capture writes to the scratch slot only
+        for key in sorted(self.keys, reverse=True):
+            self.graphs.capture(key, lambda key=key: self._forward(*key))
+
+    def bucket(self, plan: StepPlan, draft_tokens: list[list[int]]) -> tuple[int, int] | None:
+        """The (requests, tokens per request) bucket of an all-decode step, or None (eager)."""
+        if plan.prefills or not plan.decodes:
+            return None
+        rows = bucket_for(len(plan.decodes), self.batch_buckets)
+        width = bucket_for(1 + max(len(d) for d in draft_tokens), self.widths)
+        return None if rows is None or width is None else (rows, width)
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan, draft_tokens: list[list[int]]) -> StepForward | None:
+        """Decodes feed [anchor] + their draft tokens, each getting logits, as `ModelRunner.run`."""
+        key = self.bucket(plan, draft_tokens)
+        if key is None:
+            return None
+        rows, width = key
+        size = rows * width
+        ids, pos = [0] * size, [0] * size
+        slots, row_slots, real = [self.scratch_slot] * size, [self.scratch_slot] * size, [0] * size
+        offsets = [0]
+        for i, (request, draft) in enumerate(zip(plan.decodes, draft_tokens, strict=True)):
+            n, base, start = 1 + len(draft), i * width, request.num_cached
+            ids[base : base + n] = [request.last_token_id, *draft]
+            pos[base : base + n] = range(start, start + n)
+            slots[base : base + n] = [request.slot] * n
+            row_slots[i] = request.slot
+            real[offsets[-1] : offsets[-1] + n] = range(base, base + n)
+            offsets.append(offsets[-1] + n)
+        host = torch.tensor([ids, pos, slots, row_slots, real], dtype=torch.int64)
+        self.meta[:, :size].copy_(host, non_blocking=True)
+        out = self.graphs.run(key, lambda: self._forward(rows, width))
+        self.num_static_steps += 1
+        index = self.meta[_REAL, : offsets[-1]]
+        hidden = out.layer_hidden[index] if out.layer_hidden is not None else None
+        return StepForward(ForwardOutput(out.logits[index], hidden), offsets, offsets[:-1])
+
+    def _forward(self, rows: int, width: int) -> ForwardOutput:
+        size = rows * width
+        batch = PaddedBatch(
+            rows,
+            width,
+            positions=self.meta[_POS, :size],
+            token_slots=self.meta[_SLOTS, :size],
+            row_slots=self.meta[_ROW_SLOTS, :rows],
+            scratch_slot=self.scratch_slot,
+            key_len=self.cache.max_len,
+        ).with_mask()
+        return self.model(self.meta[_IDS, :size], batch, self.cache, hidden_layers=self.hidden_layers)
+
+
+def step_activation_bytes(
+    config, rows: int, width: int, key_len: int, itemsize: int, num_hidden_layers: int
+) -> int:
+    """An upper bound of one padded step's live activations: logits (model dtype and float32), one
+    layer's gathered K/V, its masks, attention scores (the math backend's, the worst case), the MLP
+    and the residual stream, and the captured layer outputs."""
+    tokens, d = rows * width, config.hidden_size
+    heads, kv_heads, hd = config.num_attention_heads, config.num_key_value_heads, head_dim(config)
+    logits = tokens * config.vocab_size * (itemsize + 4)
+    keys = 2 * rows * kv_heads * key_len * hd * itemsize
+    masks = tokens * key_len * (1 + heads // kv_heads)
+    scores = rows * heads * width * key_len * 4
+    mlp = 3 * tokens * config.intermediate_size * itemsize
+    stream = tokens * (4 * d + 2 * (heads + 2 * kv_heads) * hd) * itemsize
+    captured = tokens * d * num_hidden_layers * itemsize
+    return logits + keys + masks + scores + mlp + stream + captured
