@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from dspark.drafters.factory import load_drafter
 from dspark.drafters.ngram import NgramDrafter, NoDrafter
+from dspark.engine.drafter import Drafter
 from dspark.engine.model_runner import ModelRunner
 from dspark.engine.request import Request
 from dspark.engine.sampling_params import SamplingParams
 from dspark.engine.scheduler import StepPlan
 from dspark.engine.static_runner import StaticStepRunner, step_activation_bytes
-from dspark.models.config import head_dim
+from dspark.models.config import head_dim, load_target_config
 from dspark.models.cuda_graphs import check_graph_memory
 from dspark.models.kv_cache import KVCache
 from dspark.models.loader import load_target_model
 from dspark.models.static_batch import DEFAULT_BATCH_BUCKETS, batch_buckets, bucket_for
 
 from tests.conftest import write_tiny_model
+from tests.drafters.helpers import FIXTURE
 from tests.engine.helpers import engine_on
 
 MAX_LEN, GAMMA, LAYERS = 96, 4, (0, 1)
@@ -117,15 +122,24 @@ def test_a_bucket_set_that_does_not_fit_is_refused_with_the_numbers(tiny):
     check_graph_memory(step_activation_bytes(config, 1, 1, 96, 4, 0), 8 * 2**30, "one bucket")
 
 
+def _dspark(target_dir: Path) -> Drafter:
+    config = load_target_config(target_dir)
+    return load_drafter(str(FIXTURE / "draft_gated"), config)
+
+
 @pytest.mark.parametrize(
-    "drafter,policy",
-    [(NoDrafter(), "none"), (NgramDrafter(GAMMA), f"static:{GAMMA}")],
-    ids=["plain", "ngram"],
+    "drafter,policy,target",
+    [
+        (lambda _: NoDrafter(), "none", None),
+        (lambda _: NgramDrafter(GAMMA), f"static:{GAMMA}", None),
+        (_dspark, "static:5", FIXTURE / "target"),
+    ],
+    ids=["plain", "ngram", "dspark"],
 )
-def test_engine_generation_equals_eager(tiny, drafter, policy):
+def test_engine_generation_equals_eager(tiny, drafter, policy, target):
     """Greedy generation with the static path forced on equals the eager engine's, including steps with
     prompt chunks and steps outside every bucket (5 and 6 running requests), which run eagerly."""
-    path = tiny[0]
+    path = target or tiny[0]
     prompts = [[(7 * i + j) % 90 + 1 for j in range(5 + 3 * i)] for i in range(6)]
     # Different lengths: the batch shrinks from 6 (eager) through 4..1 (buckets) as requests finish.
     params = [SamplingParams(max_tokens=8 + 5 * i, temperature=0.0, ignore_eos=True) for i in range(6)]
@@ -133,7 +147,7 @@ def test_engine_generation_equals_eager(tiny, drafter, policy):
     for graphs in (False, True):
         engine = engine_on(
             path,
-            drafter,
+            drafter(path),
             policy,
             max_num_seqs=6,
             max_model_len=MAX_LEN,

@@ -46,11 +46,17 @@ def engine_options(command: Callable) -> Callable:
             show_default=True,
             help="Reuse the KV of cached prompt prefixes.",
         ),
+        click.option(
+            "--cuda-graphs/--no-cuda-graphs",
+            default=None,
+            help="Replay decode and verification steps as CUDA graphs per batch bucket "
+            "[default: on for CUDA, off elsewhere].",
+        ),
     ]
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
-        values = {f: kwargs.pop(f) for f in SELECTION_FIELDS}
+        values = {f: kwargs.pop(f) for f in (*SELECTION_FIELDS, "cuda_graphs")}
         try:
             kwargs["engine_config"] = EngineConfig(**values)
         except ValidationError as e:

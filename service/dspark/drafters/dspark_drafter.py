@@ -13,6 +13,7 @@ from dspark.drafters.context_store import ContextStore
 from dspark.drafters.draft_vocab import DraftVocab
 from dspark.drafters.dspark_model import DSparkModel
 from dspark.drafters.feature_batch import CommittedChunk
+from dspark.drafters.static_draft import StaticBlockHidden
 from dspark.engine.drafter import DraftBlock
 from dspark.engine.request import Request
 from dspark.engine.sampler import SamplingTensors
@@ -36,6 +37,7 @@ class DSparkDrafter(ContextDrafter):
         self.vocab = DraftVocab.of(model)
         self.store = ContextStore({"kv": model.kv_shape}, weight.device, weight.dtype)
         self.calibration = calibration
+        self.static: StaticBlockHidden | None = None
         self._temps = self._shift = None  # [2, gamma]: row 0 serves sampled requests, row 1 greedy
         if calibration is not None:
             if len(calibration.temperatures) != self.gamma:
@@ -51,6 +53,12 @@ class DSparkDrafter(ContextDrafter):
     def fresh_copy(self) -> DSparkDrafter:
         return DSparkDrafter(self.model, self.calibration)
 
+    def use_static_shapes(self, batch_buckets: tuple[int, ...], max_context: int) -> None:
+        if self.static is not None and self.static.shape == (tuple(sorted(batch_buckets)), max_context):
+            return  # engines over one drafter (siblings) share its graphs
+        self.static = StaticBlockHidden(self.model, batch_buckets, max_context)
+        self.static.capture()
+
     def _write(self, chunk: CommittedChunk) -> None:
         kv = self.model.context_kv(chunk.features, chunk.positions)
         self.store.write("kv", chunk.rows, chunk.positions, kv)
@@ -61,11 +69,16 @@ class DSparkDrafter(ContextDrafter):
     ) -> DraftBlock:
         lengths = self.context_lengths(requests)
         rows = torch.tensor(self.store.rows([r.request_id for r in requests]), device=self.device)
-        ctx_len = torch.tensor(lengths, device=self.device)
         ctx_kv = self.store.read("kv", rows, max(lengths))
-        ctx_mask = torch.arange(max(lengths), device=self.device)[None, :] < ctx_len[:, None]
-        anchor = torch.tensor([r.last_token_id for r in requests], device=self.device)
-        hidden = self.model.block_hidden(anchor, ctx_len, ctx_kv, ctx_mask, horizon)
+        anchors = [r.last_token_id for r in requests]
+        anchor = torch.tensor(anchors, device=self.device)
+        bucket = self.static.bucket(len(requests), max(lengths)) if self.static is not None else None
+        if bucket is not None:  # every position of the block; the horizon is cut after
+            hidden = self.static.run(bucket, anchors, lengths, ctx_kv)[:, :horizon]
+        else:
+            ctx_len = torch.tensor(lengths, device=self.device)
+            ctx_mask = torch.arange(max(lengths), device=self.device)[None, :] < ctx_len[:, None]
+            hidden = self.model.block_hidden(anchor, ctx_len, ctx_kv, ctx_mask, horizon)
         tokens, probs, conf_logits = sample_block(self.model, hidden, anchor, sampling, self.vocab)
         return DraftBlock(tokens, probs, self._confidences(conf_logits, sampling.temperature))
 
