@@ -3,6 +3,7 @@ step for each policy and concurrency, and a torch.profiler table of the busiest 
 highest concurrency.
 
 Usage: python scripts/step_profile.py --device cuda --out runs/gpu/steps [--target DIR_OR_NAME]
+  [--no-cuda-graphs]   (CUDA graphs are on by default on CUDA: compare the two)
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path("runs/gpu/steps"))
+    parser.add_argument(
+        "--cuda-graphs", action=argparse.BooleanOptionalAction, default=None, help="default: on for CUDA"
+    )
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -42,6 +46,7 @@ def main() -> None:
             max_num_seqs=max(levels),
             max_batch_tokens=2048,
             max_model_len=1024,
+            cuda_graphs=args.cuda_graphs,
         )
     )
     params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
@@ -64,7 +69,9 @@ def main() -> None:
             step = (time.perf_counter() - start) / args.steps
             with OperatorCount() as ops:
                 engine.step()
+            captured = engine.static_runner is not None and engine.static_runner.graphs.num_graphs > 0
             results[f"{policy}@{c}"] = {
+                "cuda_graphs": captured,
                 "step_ms": step * 1e3,
                 "forward_ms": forward / args.steps * 1e3,
                 "kernels_per_step": ops.computing,
