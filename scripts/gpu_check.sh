@@ -21,7 +21,7 @@ step gpu
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$LOG"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" 2>&1 | tee -a "$LOG"
 step CUDA tests
-timeout 120 pytest -q -p no:cacheprovider -rs tests/cuda tests/models tests/engine/test_verifier.py \
+timeout 180 pytest -q -p no:cacheprovider -rs tests/cuda tests/models tests/engine/test_verifier.py \
   tests/training/test_train_command.py 2>&1 | tail -25 | tee -a "$LOG"
 # One engine shape for the profile and the serve bench, so the bench reuses the profile.
 SERVE=(--device cuda --drafter dspark --max-num-seqs 64 --max-batch-tokens 2048)
