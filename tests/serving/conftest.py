@@ -1,4 +1,5 @@
-"""Fixtures of the serving tests: the OpenAI app over a fake engine, in this process (no Ray)."""
+"""Fixtures of the serving tests: the OpenAI app over a fake engine, without Ray; the engine runs on
+a thread of this process or in its own process (`EngineProcess`)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,17 @@ from dspark.serving.openai_routes import build_openai_app
 from dspark.serving.replica import EngineReplica
 from starlette.testclient import TestClient
 
-from tests.serving.fake_engine import FakeEngine
+from tests.serving.fake_engine import FakeEngine, fake_engine_factory
 
 
 def make_replica(engine: FakeEngine | None = None, **config) -> EngineReplica:
+    """A replica over `engine` (default: a new FakeEngine) stepped on a thread of this process."""
     return EngineReplica(ServeConfig(**config), engine or FakeEngine())
+
+
+def make_process_replica(**config) -> EngineReplica:
+    """A replica whose FakeEngine runs in its own process, as the server's engine does by default."""
+    return EngineReplica(ServeConfig(**config), factory=fake_engine_factory)
 
 
 def make_client(replica: EngineReplica, api_key: str | None = None) -> TestClient:
@@ -23,9 +30,13 @@ def make_client(replica: EngineReplica, api_key: str | None = None) -> TestClien
     return TestClient(app, raise_server_exceptions=False)
 
 
-@pytest.fixture
-def replica():
-    r = make_replica(max_output_tokens=64)
+@pytest.fixture(params=["process", "thread"])
+def replica(request):
+    r = (
+        make_process_replica(max_output_tokens=64)
+        if request.param == "process"
+        else make_replica(max_output_tokens=64)
+    )
     yield r
     r.shutdown()
 

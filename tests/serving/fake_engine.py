@@ -190,3 +190,8 @@ class FakeEngine:
         stats.predicted_accepted_tokens = stats.num_accepted_tokens * 1.1  # type: ignore[attr-defined]
         self.last_step_stats = stats
         return outputs
+
+
+def fake_engine_factory(config: object = None, **settings) -> FakeEngine:
+    """A FakeEngine for the engine process (`functools.partial(fake_engine_factory, ...)` sets it up)."""
+    return FakeEngine(**settings)

@@ -21,10 +21,13 @@ def free_port() -> int:
 
 
 def test_config(port: int, kserve: bool) -> ServeConfig:
-    """Small limits so that any accepted request stays cheap on a CPU."""
+    """Small limits so that any accepted request stays cheap on a CPU. The standalone front end runs
+    the engine in its own process (the default), the KServe one on the replica's thread, so the
+    real server covers both (the replica code under either front end is the same)."""
     return ServeConfig(
         port=port,
         kserve=kserve,
+        engine_in_thread=kserve,
         api_key=API_KEY,
         dtype="float32",
         device="cpu",

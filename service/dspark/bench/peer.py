@@ -46,6 +46,11 @@ SYSTEMS: dict[str, System] = {
         System("vllm-ngram", "vllm", ("--speculative-config", NGRAM_SPEC)),
         System("dspark-plain", "dspark", ("--drafter", "none", "--policy", "none")),
         System("dspark", "dspark", ("--drafter", "auto", "--policy", "auto")),
+        # The engine stepped on a thread of the replica instead of in its own process.
+        System(
+            "dspark-plain-thread", "dspark", ("--drafter", "none", "--policy", "none", "--engine-in-thread")
+        ),
+        System("dspark-thread", "dspark", ("--drafter", "auto", "--policy", "auto", "--engine-in-thread")),
         System("inprocess-plain", "inprocess", ("none", "none")),
         System("inprocess", "inprocess", ("auto", "auto")),
     )

@@ -34,6 +34,11 @@ from dspark.serving.config import load_config
     default=None,
     help="Reuse the KV of cached prompt prefixes.  [default: on]",
 )
+@click.option(
+    "--engine-in-thread/--engine-in-process",
+    default=None,
+    help="Step the engine on a thread of the replica, not in its own process.  [default: process]",
+)
 @click.option("--host", help="Address to bind.  [default: 127.0.0.1]")
 @click.option("--port", type=int, help="HTTP port.  [default: 8000]")
 @click.option(

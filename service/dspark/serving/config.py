@@ -49,6 +49,11 @@ class ServeConfig(BaseModel):
     prefix_caching: bool | None = Field(None, description="Reuse the KV of cached prompt prefixes.")
     strict_profile: bool | None = Field(None, description="Refuse to start without a matching profile.")
 
+    engine_in_thread: bool = Field(
+        False,
+        description="Step the engine on a thread of the replica instead of in its own process.",
+    )
+
     # HTTP front end.
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)

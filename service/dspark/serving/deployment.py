@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from ray import serve
 
 from dspark.serving.auth import BearerAuth
 from dspark.serving.config import ServeConfig
+from dspark.serving.engine_messages import EngineFactory
 from dspark.serving.openai_routes import build_openai_app
 from dspark.serving.openai_schemas import ChatCompletionRequest, CompletionRequest
 from dspark.serving.openai_service import Frame, JSONReply
@@ -19,14 +20,18 @@ from dspark.serving.replica import EngineReplica
 log = logging.getLogger(__name__)
 
 APP_NAME = "dspark"
-EngineFactory = Callable[[ServeConfig], Any]
 # Room above the admission limit for probes and scrapes, so Ray never queues them behind inference.
 _CONTROL_HEADROOM = 16
 
 
 def _replica(config: dict[str, Any], engine_factory: EngineFactory | None) -> EngineReplica:
     cfg = ServeConfig.model_validate(config)
-    return EngineReplica(cfg, engine_factory(cfg) if engine_factory else None)
+    if not cfg.engine_in_thread:
+        import torch
+
+        # The engine computes in its own process; torch threads here would only contend with it.
+        torch.set_num_threads(1)
+    return EngineReplica(cfg, factory=engine_factory)
 
 
 @serve.ingress()
@@ -42,7 +47,7 @@ class OpenAIServer:
         return build_openai_app(r.service, BearerAuth(key), ready=r.ready, metrics=r.metrics_text)
 
     def __del__(self):
-        # Ray Serve calls this after draining (graceful_shutdown_timeout_s); stop the engine thread.
+        # Ray Serve calls this after draining (graceful_shutdown_timeout_s); stop the engine.
         with contextlib.suppress(Exception):
             self.replica.shutdown()
 

@@ -18,7 +18,7 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from dspark.engine.outputs import RequestOutput
 from dspark.engine.sampling_params import SamplingParams
@@ -27,6 +27,31 @@ from dspark.serving.metrics import ServingMetrics
 log = logging.getLogger(__name__)
 
 OutputCallback = Callable[[RequestOutput], None]
+
+
+class EngineBackend(Protocol):
+    """What `AsyncEngineClient` drives: `EngineLoop` (a thread) or `EngineProcess` (a process)."""
+
+    fatal_error: str | None
+    metrics: ServingMetrics | None
+
+    @property
+    def alive(self) -> bool: ...
+
+    def start(self) -> None: ...
+
+    def add(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        on_output: OutputCallback,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> concurrent.futures.Future: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def stop(self, drain_timeout_s: float = 30.0) -> None: ...
 
 
 class EngineStopped(RuntimeError):
@@ -78,13 +103,22 @@ class EngineLoop:
         return self._thread.is_alive() and not self._stopping.is_set()
 
     def add(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, on_output: OutputCallback
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        on_output: OutputCallback,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> concurrent.futures.Future:
-        """Queue a request; the future resolves to its id once the engine took it, or to its ValueError."""
+        """Queue a request; the future resolves to its id once the engine took it, or to its
+        ValueError. `on_output` runs on `loop` when given (one hand-over per output), else on the
+        engine thread."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         if self._stopping.is_set():
             fut.set_exception(EngineStopped("the server is shutting down"))
             return fut
+        if loop is not None:
+            on_output = _on_loop(loop, on_output)
         self._commands.put(_Add(list(prompt_token_ids), params, request_id, on_output, fut))
         return fut
 
@@ -199,10 +233,18 @@ class EngineLoop:
                 cmd.accepted.set_exception(EngineStopped(self.fatal_error or "the server is shutting down"))
 
 
-class AsyncEngineClient:
-    """The event loop's view of an `EngineLoop`: bounded admission and an async stream per request."""
+def _on_loop(loop: asyncio.AbstractEventLoop, callback: OutputCallback) -> OutputCallback:
+    def hand_over(out: RequestOutput) -> None:
+        with contextlib.suppress(RuntimeError):  # the event loop already closed
+            loop.call_soon_threadsafe(callback, out)
 
-    def __init__(self, loop: EngineLoop, max_in_flight: int):
+    return hand_over
+
+
+class AsyncEngineClient:
+    """The event loop's view of an engine backend: bounded admission and an async stream per request."""
+
+    def __init__(self, loop: EngineBackend, max_in_flight: int):
         self.engine_loop = loop
         self.max_in_flight = max_in_flight
         self.in_flight = 0  # touched only on the event loop thread
@@ -223,7 +265,9 @@ class AsyncEngineClient:
         stream = RequestStream(request_id or uuid.uuid4().hex, asyncio.get_running_loop())
         self.in_flight += 1
         try:
-            accepted = self.engine_loop.add(prompt_token_ids, params, stream.request_id, stream.push)
+            accepted = self.engine_loop.add(
+                prompt_token_ids, params, stream.request_id, stream.put, loop=stream.loop
+            )
             await asyncio.wrap_future(accepted)
             yield stream
         finally:
@@ -233,7 +277,7 @@ class AsyncEngineClient:
 
 
 class RequestStream:
-    """Outputs of one request, pushed from the engine thread, consumed on the event loop.
+    """Outputs of one request, handed to the event loop by the engine backend and consumed there.
 
     A consumer that falls behind gets what queued up in one merged output: one frame for several
     steps' tokens instead of one per step, so a busy event loop catches up instead of lagging more.
@@ -242,13 +286,17 @@ class RequestStream:
     def __init__(self, request_id: str, aloop: asyncio.AbstractEventLoop):
         self.request_id = request_id
         self.finished = False
-        self._aloop = aloop
+        self.loop = aloop
         self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
+    def put(self, out: RequestOutput) -> None:
+        """Event loop thread: queue one output."""
+        self._queue.put_nowait(out)
+
     def push(self, out: RequestOutput) -> None:
-        """Engine thread: hand one output over to the event loop."""
+        """Any thread: hand one output over to the event loop."""
         with contextlib.suppress(RuntimeError):  # the event loop already closed
-            self._aloop.call_soon_threadsafe(self._queue.put_nowait, out)
+            self.loop.call_soon_threadsafe(self._queue.put_nowait, out)
 
     def __aiter__(self) -> RequestStream:
         return self

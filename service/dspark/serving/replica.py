@@ -1,4 +1,4 @@
-"""One serving replica: an engine, its step-loop thread, its metrics and the API logic over them."""
+"""One serving replica: an engine (in its own process, or on a thread), its metrics and the API logic."""
 
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from dspark.serving.config import ServeConfig
-from dspark.serving.engine_loop import AsyncEngineClient, EngineLoop
+from dspark.serving.engine_core import load_engine
+from dspark.serving.engine_loop import AsyncEngineClient, EngineBackend, EngineLoop
+from dspark.serving.engine_messages import EngineFactory
+from dspark.serving.engine_process import EngineProcess
 from dspark.serving.errors import APIError, validation_message
 from dspark.serving.metrics import ServingMetrics
 from dspark.serving.openai_schemas import ChatCompletionRequest, CompletionRequest
@@ -36,40 +39,27 @@ V2_PARAMETERS = (
 )
 
 
-def load_engine(config: ServeConfig) -> Any:
-    import torch
-
-    from dspark.builder import engine_from_config
-
-    _log_start_up()
-    # One intra-op thread per CPU Ray reserved for this replica: more threads than cores make
-    # OpenMP workers of co-located replicas spin against each other (~10x slower on 2 cores).
-    torch.set_num_threads(max(1, int(config.replica_cpus())))
-    return engine_from_config(config.engine_config())
-
-
-def _log_start_up() -> None:
-    """Show the engine's INFO lines (drafter, policy, which SPS profile or a new measurement) in the
-    replica's output: outside Ray's own loggers a replica process keeps only warnings."""
-    logger = logging.getLogger("dspark")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False  # where Ray gave the root logger a handler, once is enough
-
-
 class EngineReplica:
-    """Owns one engine; everything a Ray Serve replica answers goes through here."""
+    """Owns one engine; everything a Ray Serve replica answers goes through here.
 
-    def __init__(self, config: ServeConfig, engine: Any | None = None):
+    By default the engine runs in its own process, built there by `factory(config)` (an importable
+    callable; default `load_engine`); `self.engine` is then its `EngineInfo`. An `engine` object
+    passed in, or `config.engine_in_thread`, runs it on a thread of this process instead.
+    """
+
+    def __init__(self, config: ServeConfig, engine: Any | None = None, factory: EngineFactory | None = None):
         self.config = config
-        self.engine = engine if engine is not None else load_engine(config)
+        self.loop: EngineBackend
+        if engine is None and not config.engine_in_thread:
+            self.loop = EngineProcess(factory or load_engine, config)
+            self.engine = self.loop.info
+        else:
+            self.engine = engine if engine is not None else (factory or load_engine)(config)
+            self.loop = EngineLoop(self.engine)
         ecfg = self.engine.config
         self.model_name = config.served_model_name or self.engine.model_name
         self.metrics = ServingMetrics(self.model_name)
-        self.loop = EngineLoop(self.engine, self.metrics)
+        self.loop.metrics = self.metrics
         self.client = AsyncEngineClient(self.loop, max_in_flight=ecfg.max_num_seqs + config.max_queue)
         max_len = self.engine.max_model_len
         limits = ServiceLimits(

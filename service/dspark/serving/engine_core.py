@@ -1,0 +1,210 @@
+"""The engine's own process: build the engine, step it, and report each step to the replica.
+
+Started by `EngineProcess` as `python -m dspark.serving.engine_core FD`, FD being its end of a
+socket pair. Its own interpreter means its own GIL: the step's Python never waits behind the
+replica's event loop, Ray's threads or the HTTP handling. The loop is `EngineLoop`'s: commands are
+applied between steps (continuous batching), and it idles on the pipe while nothing is running.
+The pipe is also the watchdog: when the replica dies, its end closes and this process exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from multiprocessing.connection import Connection
+from typing import Any
+
+from dspark.engine.outputs import RequestOutput
+from dspark.serving.engine_messages import (
+    SHUTDOWN_REASON,
+    AbortRequest,
+    AddRequest,
+    EngineFailed,
+    EngineInfo,
+    EngineSpec,
+    Shutdown,
+    StepReport,
+    Stop,
+)
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaGone(Exception):
+    """The replica's end of the pipe closed: nobody is left to serve."""
+
+
+class EngineCore:
+    """Steps `engine` while any request is unfinished and sends one `StepReport` per step."""
+
+    def __init__(self, engine: Any, conn: Connection):
+        self.engine = engine
+        self.conn = conn
+        self._live: set[str] = set()
+        self._report = StepReport()
+        self._sizes = (0, 0)
+        self._last_stats = getattr(engine, "last_step_stats", None)
+
+    def run(self) -> int:
+        """Serve until stopped (0), the replica is gone (0) or the engine fails (1)."""
+        stops = 0
+        try:
+            while True:
+                idle = not self.engine.has_unfinished_requests()
+                stops += self._apply_commands(block=idle and not stops)
+                if stops >= 2:
+                    self._abort_all()
+                if stops and not self.engine.has_unfinished_requests():
+                    self._flush()
+                    self._send(Shutdown())
+                    return 0
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self._flush()
+        except ReplicaGone:
+            return 0
+        except Exception as e:  # the engine is unusable: tell the replica, which fails every caller
+            log.exception("engine loop crashed")
+            try:
+                self._flush()
+                self._send(EngineFailed(f"engine failure: {e}"))
+            except ReplicaGone:
+                pass
+            return 1
+
+    # Commands ------------------------------------------------------------------------------------
+    def _apply_commands(self, block: bool) -> int:
+        """Apply every queued command (waiting for one when `block`); return the stops among them."""
+        stops = 0
+        if not block and not self._poll():
+            return 0
+        while True:
+            cmd = self._recv()
+            if isinstance(cmd, AddRequest):
+                self._add(cmd)
+            elif isinstance(cmd, AbortRequest):
+                if cmd.request_id in self._live:
+                    self.engine.abort_request(cmd.request_id)
+            elif isinstance(cmd, Stop):
+                stops += 1
+            if not self._poll():
+                return stops
+
+    def _add(self, cmd: AddRequest) -> None:
+        try:
+            rid = self.engine.add_request(
+                cmd.prompt_token_ids, cmd.params, cmd.request_id, on_output=self._collect
+            )
+        except ValueError as e:  # bad input: the caller's 400, not the engine's failure
+            self._report.refused.append((cmd.request_id, str(e)))
+            return
+        self._live.add(rid)
+        self._report.admitted.append(rid)
+
+    def _collect(self, out: RequestOutput) -> None:
+        if out.finished:
+            self._live.discard(out.request_id)
+        self._report.outputs.append(out)
+
+    def _abort_all(self) -> None:
+        for rid in list(self._live):
+            self.engine.abort_request(rid)
+        for rid in list(self._live):  # an engine that did not report the abort
+            self._collect(
+                RequestOutput(rid, [], "", finished=True, finish_reason="error", error=SHUTDOWN_REASON)
+            )
+
+    # Steps and reports ---------------------------------------------------------------------------
+    def _step(self) -> None:
+        self.engine.step()
+        stats = getattr(self.engine, "last_step_stats", None)
+        # A step that scheduled nothing keeps the previous step's stats: never count them twice.
+        if stats is not None and stats is not self._last_stats:
+            self._report.stats = stats
+            self._last_stats = stats
+
+    def _flush(self) -> None:
+        """Send what this pass produced, in one message; nothing when nothing changed."""
+        r = self._report
+        sizes = (self.engine.num_running, self.engine.num_waiting)
+        if not (r.outputs or r.admitted or r.refused or r.stats is not None or sizes != self._sizes):
+            return
+        r.num_running, r.num_waiting = sizes
+        self._sizes = sizes
+        self._report = StepReport()
+        self._send(r)
+
+    # The pipe ------------------------------------------------------------------------------------
+    def _poll(self) -> bool:
+        try:
+            return self.conn.poll()
+        except (EOFError, OSError) as e:
+            raise ReplicaGone from e
+
+    def _recv(self) -> Any:
+        try:
+            return self.conn.recv()
+        except (EOFError, OSError) as e:
+            raise ReplicaGone from e
+
+    def _send(self, msg: Any) -> None:
+        try:
+            self.conn.send(msg)
+        except OSError as e:
+            raise ReplicaGone from e
+
+
+def load_engine(config: Any) -> Any:
+    """The engine a replica serves, from its `ServeConfig` (in this process or the engine's own)."""
+    import torch
+
+    from dspark.builder import engine_from_config
+
+    _log_start_up()
+    # One intra-op thread per CPU Ray reserved for this replica: more threads than cores make
+    # OpenMP workers of co-located replicas spin against each other (~10x slower on 2 cores).
+    torch.set_num_threads(max(1, int(config.replica_cpus())))
+    return engine_from_config(config.engine_config())
+
+
+def _log_start_up() -> None:
+    """Show the engine's INFO lines (drafter, policy, which SPS profile or a new measurement) in the
+    replica's output: outside Ray's own loggers a replica process keeps only warnings."""
+    logger = logging.getLogger("dspark")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False  # where Ray gave the root logger a handler, once is enough
+
+
+def main(argv: list[str]) -> int:
+    """Receive the replica's import path and the `EngineSpec`, build the engine, then serve."""
+    _log_start_up()
+    conn = Connection(int(argv[1]))
+    try:
+        # The replica's import path first, so a factory it names (a test's fake engine) resolves.
+        paths = conn.recv()
+        sys.path[:0] = [p for p in paths if p not in sys.path]
+        spec: EngineSpec = conn.recv()
+    except (EOFError, OSError):
+        return 0
+    try:
+        engine = spec.factory(spec.config)
+        info = EngineInfo.of(engine)
+    except Exception as e:
+        log.exception("engine start-up failed")
+        with contextlib.suppress(OSError):
+            conn.send(EngineFailed(f"engine start-up failed: {e}"))
+        return 1
+    try:
+        conn.send(info)
+    except OSError:
+        return 0
+    return EngineCore(engine, conn).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

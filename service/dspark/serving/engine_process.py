@@ -1,0 +1,294 @@
+"""The engine in its own process, behind `EngineLoop`'s interface (the shape of vLLM's EngineCore).
+
+The replica spawns `dspark.serving.engine_core` with one end of a socket pair, sends it the
+`EngineSpec`, and waits for its `EngineInfo` (tokenizer, config, limits). Requests go down the
+pipe; a reader thread receives one `StepReport` per engine step and hands all its outputs to the
+event loop in one `call_soon_threadsafe`. The engine's Python thus never competes for this
+process's GIL with the event loop, Ray's threads and the HTTP handling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from dspark import OPENMP_ENV
+from dspark.engine.outputs import RequestOutput
+from dspark.engine.sampling_params import SamplingParams
+from dspark.serving.engine_loop import EngineStopped, OutputCallback
+from dspark.serving.engine_messages import (
+    SHUTDOWN_REASON,
+    AbortRequest,
+    AddRequest,
+    EngineFactory,
+    EngineFailed,
+    EngineInfo,
+    EngineSpec,
+    Shutdown,
+    StepReport,
+    Stop,
+)
+from dspark.serving.metrics import ServingMetrics
+
+log = logging.getLogger(__name__)
+
+Sink = tuple[OutputCallback, asyncio.AbstractEventLoop | None]
+
+
+class EngineProcess:
+    """Builds the engine in a child process (blocking until it is ready) and relays its requests.
+
+    `add`, `abort`, `stop`, `alive`, `fatal_error` and `metrics` behave as `EngineLoop`'s; `info`
+    holds what the serving layer reads from an engine.
+    """
+
+    def __init__(self, factory: EngineFactory, config: Any, metrics: ServingMetrics | None = None):
+        self.metrics = metrics
+        self.fatal_error: str | None = None
+        self._lock = threading.Lock()  # the two tables below and `_closed`
+        self._send_lock = threading.Lock()  # a Connection is not safe for concurrent senders
+        self._sinks: dict[str, Sink] = {}
+        self._pending: dict[str, concurrent.futures.Future] = {}
+        self._closed = False
+        self._stopping = threading.Event()
+        self._stopped = threading.Event()
+        self._proc, self._conn = _spawn()
+        try:
+            self.info = self._handshake(EngineSpec(factory, config))
+        except BaseException:
+            self._reap(kill=True)
+            raise
+        self._reader = threading.Thread(target=self._read, name="dspark-engine-reader", daemon=True)
+
+    # Any thread ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._reader.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._reader.is_alive() and not self._stopping.is_set()
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def add(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        on_output: OutputCallback,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> concurrent.futures.Future:
+        """Send a request; the future resolves to its id once the engine took it, or to its
+        ValueError. `on_output` runs on `loop` when given, else on the reader thread."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._closed or self._stopping.is_set():
+                fut.set_exception(EngineStopped(self.fatal_error or "the server is shutting down"))
+                return fut
+            if request_id in self._sinks:
+                fut.set_exception(ValueError(f"request id {request_id!r} is already in use"))
+                return fut
+            self._sinks[request_id] = (on_output, loop)
+            self._pending[request_id] = fut
+        try:
+            self._send(AddRequest(request_id, list(prompt_token_ids), params))
+        except OSError:
+            with self._lock:
+                self._sinks.pop(request_id, None)
+                self._pending.pop(request_id, None)
+            if not fut.done():
+                fut.set_exception(EngineStopped(self.fatal_error or "the server is shutting down"))
+        return fut
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            if self._closed or request_id not in self._sinks:
+                return  # finished, refused or never sent: nothing holds a KV slot for it
+        with contextlib.suppress(OSError):
+            self._send(AbortRequest(request_id))
+
+    def stop(self, drain_timeout_s: float = 30.0) -> None:
+        """Refuse new requests, let running ones finish for up to `drain_timeout_s`, then abort the rest."""
+        self._stopping.set()
+        with contextlib.suppress(OSError):
+            self._send(Stop())
+        if self._reader.is_alive() and not self._stopped.wait(drain_timeout_s):
+            with contextlib.suppress(OSError):
+                self._send(Stop())  # second stop: abort what is left
+            self._stopped.wait(10.0)
+        self._reap(kill=False)
+
+    # Start-up and shut-down ----------------------------------------------------------------------
+    def _handshake(self, spec: EngineSpec) -> EngineInfo:
+        self._send(list(sys.path))
+        self._send(spec)
+        try:
+            msg = self._conn.recv()  # as long as it takes: loading, maybe measuring an SPS profile
+        except (EOFError, OSError):
+            raise RuntimeError(
+                f"the engine process exited before it was ready ({_exit_status(self._proc)})"
+            ) from None
+        if isinstance(msg, EngineFailed):
+            raise RuntimeError(msg.message)
+        if not isinstance(msg, EngineInfo):
+            raise RuntimeError(f"the engine process sent {type(msg).__name__} instead of its EngineInfo")
+        return msg
+
+    def _reap(self, kill: bool) -> None:
+        """Wait for the child (killing it when asked, or after 10 s), then close the pipe."""
+        if kill:
+            self._proc.kill()
+        try:
+            self._proc.wait(10.0)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        reader = getattr(self, "_reader", None)
+        if reader is not None and reader.is_alive():
+            reader.join(10.0)  # the child's exit closed the pipe: the reader is leaving
+        self._conn.close()
+
+    def _send(self, msg: Any) -> None:
+        with self._send_lock:
+            self._conn.send(msg)
+
+    # Reader thread -------------------------------------------------------------------------------
+    def _read(self) -> None:
+        clean = False
+        try:
+            while True:
+                msg = self._conn.recv()
+                if isinstance(msg, StepReport):
+                    self._on_report(msg)
+                elif isinstance(msg, EngineFailed):
+                    self.fatal_error = msg.message
+                    return
+                elif isinstance(msg, Shutdown):
+                    clean = True
+                    return
+        except (EOFError, OSError):
+            pass
+        except Exception as e:  # a message this side cannot read: the engine is out of reach
+            log.exception("engine process reader failed")
+            self.fatal_error = f"engine failure: {e}"
+        finally:
+            if not clean:
+                self.fatal_error = self.fatal_error or (
+                    f"engine failure: the engine process exited ({_exit_status(self._proc)})"
+                )
+                with contextlib.suppress(ProcessLookupError):
+                    self._proc.kill()
+            self._stopping.set()  # before callers hear of it: a caller that retries must see it dead
+            self._close(self.fatal_error or SHUTDOWN_REASON)
+            self._stopped.set()
+
+    def _on_report(self, report: StepReport) -> None:
+        acks: list[tuple[concurrent.futures.Future | None, str, str | None]] = []
+        batch: list[tuple[Sink, RequestOutput]] = []
+        with self._lock:
+            for rid in report.admitted:
+                acks.append((self._pending.pop(rid, None), rid, None))
+            for rid, error in report.refused:
+                self._sinks.pop(rid, None)
+                acks.append((self._pending.pop(rid, None), rid, error))
+            for out in report.outputs:
+                rid = out.request_id
+                sink = self._sinks.pop(rid, None) if out.finished else self._sinks.get(rid)
+                if sink is not None:
+                    batch.append((sink, out))
+        for fut, rid, error in acks:
+            if fut is not None and not fut.done():
+                if error is None:
+                    fut.set_result(rid)
+                else:
+                    fut.set_exception(ValueError(error))
+        if self.metrics is not None:
+            if report.stats is not None:
+                self.metrics.observe_step(report.stats)
+            self.metrics.set_queue_sizes(report.num_running, report.num_waiting)
+        _hand_over(batch)
+
+    def _close(self, reason: str) -> None:
+        """Fail every request still open: running ones get an error output, unacknowledged ones
+        EngineStopped (they never started)."""
+        with self._lock:
+            self._closed = True
+            pending, self._pending = self._pending, {}
+            sinks, self._sinks = self._sinks, {}
+        for rid, fut in pending.items():
+            sinks.pop(rid, None)
+            if not fut.done():
+                fut.set_exception(EngineStopped(self.fatal_error or "the server is shutting down"))
+        _hand_over(
+            [
+                (sink, RequestOutput(rid, [], "", finished=True, finish_reason="error", error=reason))
+                for rid, sink in sinks.items()
+            ]
+        )
+
+
+def _hand_over(batch: list[tuple[Sink, RequestOutput]]) -> None:
+    """One `call_soon_threadsafe` per event loop for the whole step, not one per output."""
+    by_loop: dict[asyncio.AbstractEventLoop | None, list[tuple[OutputCallback, RequestOutput]]] = {}
+    for (callback, loop), out in batch:
+        by_loop.setdefault(loop, []).append((callback, out))
+    for loop, items in by_loop.items():
+        if loop is None:
+            _deliver(items)
+        else:
+            with contextlib.suppress(RuntimeError):  # the event loop already closed
+                loop.call_soon_threadsafe(_deliver, items)
+
+
+def _deliver(items: list[tuple[OutputCallback, RequestOutput]]) -> None:
+    for callback, out in items:
+        try:
+            callback(out)
+        except Exception:  # one caller's callback must not cost the others their outputs
+            log.exception("output callback of request %s failed", out.request_id)
+
+
+def _spawn() -> tuple[subprocess.Popen, Connection]:
+    """Start `python -m dspark.serving.engine_core FD` on one end of a socket pair."""
+    mine, theirs = socket.socketpair()
+    with theirs:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dspark.serving.engine_core", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),),
+            env=_child_env(),
+        )
+    return proc, Connection(mine.detach())
+
+
+def _child_env() -> dict[str, str]:
+    """This process's environment, with this `dspark` first on the path (a checkout may shadow an
+    install) and the OpenMP settings of every dspark process unless set already."""
+    import dspark
+
+    env = dict(os.environ)
+    here = str(Path(dspark.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+    for name, value in OPENMP_ENV.items():
+        env.setdefault(name, value)
+    return env
+
+
+def _exit_status(proc: subprocess.Popen) -> str:
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(1.0)
+    code = proc.returncode
+    if code is None:
+        return "still running"
+    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
