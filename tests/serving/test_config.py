@@ -78,3 +78,21 @@ def test_replicas_get_short_openmp_spins_unless_the_user_set_them(monkeypatch):
     assert env["GOMP_SPINCOUNT"] == "20000" and env["PYTHONPATH"]
     monkeypatch.setenv("GOMP_SPINCOUNT", "300000")
     assert replica_env()["GOMP_SPINCOUNT"] == "300000"
+
+
+def test_engine_placement_and_threads_from_flags_and_defaults():
+    result = CliRunner().invoke(
+        main, ["serve", "--print-config", "--engine-in-thread", "--engine-threads", "3", "--port", "8123"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "engine_in_thread: true" in result.output and "engine_threads: 3" in result.output
+    # In its own process the engine leaves one of the replica's CPUs to the HTTP side; on a thread
+    # it takes them all; an explicit count wins either way.
+    process = load_config(overrides={"num_cpus_per_replica": 4}, environ={})
+    assert not process.engine_in_thread and process.engine_thread_count() == 3
+    assert load_config(overrides={"num_cpus_per_replica": 1}, environ={}).engine_thread_count() == 1
+    thread = load_config(overrides={"num_cpus_per_replica": 4, "engine_in_thread": True}, environ={})
+    assert thread.engine_thread_count() == 4
+    assert load_config(overrides={"engine_threads": 2}, environ={}).engine_thread_count() == 2
+    with pytest.raises(ValueError, match="engine_threads"):
+        load_config(overrides={"engine_threads": 0}, environ={})

@@ -39,6 +39,11 @@ from dspark.serving.config import load_config
     default=None,
     help="Step the engine on a thread of the replica, not in its own process.  [default: process]",
 )
+@click.option(
+    "--engine-threads",
+    type=int,
+    help="Intra-op threads of the engine.  [default: the replica's CPUs, less one in its own process]",
+)
 @click.option("--host", help="Address to bind.  [default: 127.0.0.1]")
 @click.option("--port", type=int, help="HTTP port.  [default: 8000]")
 @click.option(

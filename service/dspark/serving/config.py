@@ -53,6 +53,12 @@ class ServeConfig(BaseModel):
         False,
         description="Step the engine on a thread of the replica instead of in its own process.",
     )
+    engine_threads: int | None = Field(
+        None,
+        ge=1,
+        description="Intra-op threads of the engine; default: the replica's CPUs, less one for the "
+        "HTTP side when the engine has its own process.",
+    )
 
     # HTTP front end.
     host: str = "127.0.0.1"
@@ -100,6 +106,15 @@ class ServeConfig(BaseModel):
         if self.num_cpus_per_replica is not None:
             return self.num_cpus_per_replica
         return float(max(1, (os.cpu_count() or 1) // self.max_replicas))
+
+    def engine_thread_count(self) -> int:
+        """Intra-op threads for the engine. In its own process the engine leaves one of the replica's
+        CPUs to the event loop and the HTTP proxy, as vLLM's CPU engine leaves one to its API server:
+        an OpenMP team sharing its cores with them waits at every barrier for a preempted member."""
+        if self.engine_threads is not None:
+            return self.engine_threads
+        cpus = max(1, int(self.replica_cpus()))
+        return cpus if self.engine_in_thread else max(1, cpus - 1)
 
     def engine_overrides(self) -> dict[str, Any]:
         """The engine settings given explicitly (the rest keep EngineConfig's defaults)."""

@@ -162,9 +162,9 @@ def load_engine(config: Any) -> Any:
     from dspark.builder import engine_from_config
 
     _log_start_up()
-    # One intra-op thread per CPU Ray reserved for this replica: more threads than cores make
-    # OpenMP workers of co-located replicas spin against each other (~10x slower on 2 cores).
-    torch.set_num_threads(max(1, int(config.replica_cpus())))
+    # No more intra-op threads than the CPUs Ray reserved for this replica: more threads than cores
+    # make OpenMP workers of co-located replicas spin against each other (~10x slower on 2 cores).
+    torch.set_num_threads(config.engine_thread_count())
     return engine_from_config(config.engine_config())
 
 
