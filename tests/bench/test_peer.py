@@ -14,7 +14,15 @@ import psutil
 import pytest
 from click.testing import CliRunner
 from dspark.bench.http_load import LevelResult, run_level
-from dspark.bench.peer import PeerRun, format_table, free_port, running_server
+from dspark.bench.peer import (
+    SYSTEMS,
+    PeerRun,
+    format_table,
+    free_port,
+    measure_inprocess,
+    running_server,
+    server_command,
+)
 from dspark.cli import main
 
 
@@ -142,3 +150,34 @@ def test_a_system_that_fails_in_a_round_is_reported_and_left_out(monkeypatch, tm
 
 def test_server_ports_avoid_rays_worker_ports_and_the_ephemeral_range():
     assert all(20000 <= free_port() < 30000 for _ in range(5))
+
+
+def test_engine_placement_systems_pass_their_flags():
+    def command(name: str) -> list[str]:
+        return server_command(SYSTEMS[name], Path("/m"), 1234, "bfloat16", "python")
+
+    assert command("dspark-plain-inthread")[-1] == "--engine-in-thread"
+    assert command("dspark-plain-threads2")[-2:] == ["--engine-threads", "2"]
+    assert "--engine-in-thread" not in command("dspark-plain") and "--drafter" in command("dspark-plain")
+
+
+def test_an_inprocess_thread_count_applies_to_its_system_only(monkeypatch):
+    import dspark.builder
+    import torch
+
+    seen = []
+
+    def engine_from_config(config):
+        seen.append(torch.get_num_threads())
+        raise RuntimeError("no engine needed")
+
+    monkeypatch.setattr(dspark.builder, "engine_from_config", engine_from_config)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # a default the one-thread system differs from
+    try:
+        for name in ("inprocess-plain-threads1", "inprocess-plain"):
+            with pytest.raises(RuntimeError):
+                measure_inprocess(SYSTEMS[name], [1], {1: 8}, 8, "float32")
+        assert seen == [1, 2] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -161,7 +161,10 @@ def test_disconnects_free_slots_and_memory_stays_bounded(server):
     warmup, measured = (48, 160) if server.mode == "ray" else (16, 32)
     start = metrics(server)[("vllm:generation_tokens_total", ())]
     asyncio.run(rounds(warmup))
-    before = settle()[("process_resident_memory_bytes", ())]
+    settled = settle()
+    before = settled[("process_resident_memory_bytes", ())]
+    engine_rss = ("dspark_engine_process_resident_memory_bytes", ())
+    engine_before = settled.get(engine_rss)
     asyncio.run(rounds(measured))
     settled = settle()
     after = settled[("process_resident_memory_bytes", ())]
@@ -173,6 +176,11 @@ def test_disconnects_free_slots_and_memory_stays_bounded(server):
     assert after - before < 64 * 2**20, (
         f"replica RSS grew {(after - before) / 2**20:.0f} MiB over {measured} requests"
     )
+    # The standalone front end runs the engine in its own process: its memory is exported too.
+    assert (engine_before is not None) == (server.mode == "ray")
+    if engine_before is not None:
+        grew = settled[engine_rss] - engine_before
+        assert grew < 64 * 2**20, f"engine RSS grew {grew / 2**20:.0f} MiB over {measured} requests"
 
 
 def test_over_capacity_gets_429_quickly_and_server_survives(server):

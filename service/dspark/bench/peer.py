@@ -30,9 +30,13 @@ NGRAM_SPEC = (
 )
 
 
+PLAIN = ("--drafter", "none", "--policy", "none")
+
+
 @dataclass(frozen=True)
 class System:
-    """One server configuration: `kind` is vllm, dspark (HTTP) or inprocess (the engine, no HTTP)."""
+    """One server configuration: `kind` is vllm, dspark (HTTP) or inprocess (the engine, no HTTP;
+    `args` are its drafter, policy and optionally its intra-op thread count)."""
 
     name: str
     kind: str
@@ -44,15 +48,17 @@ SYSTEMS: dict[str, System] = {
     for s in (
         System("vllm", "vllm"),
         System("vllm-ngram", "vllm", ("--speculative-config", NGRAM_SPEC)),
-        System("dspark-plain", "dspark", ("--drafter", "none", "--policy", "none")),
+        System("dspark-plain", "dspark", PLAIN),
         System("dspark", "dspark", ("--drafter", "auto", "--policy", "auto")),
         # The engine stepped on a thread of the replica instead of in its own process.
-        System(
-            "dspark-plain-thread", "dspark", ("--drafter", "none", "--policy", "none", "--engine-in-thread")
-        ),
-        System("dspark-thread", "dspark", ("--drafter", "auto", "--policy", "auto", "--engine-in-thread")),
+        System("dspark-plain-inthread", "dspark", (*PLAIN, "--engine-in-thread")),
+        System("dspark-inthread", "dspark", ("--drafter", "auto", "--policy", "auto", "--engine-in-thread")),
+        # The engine process at 2 intra-op threads instead of the replica's CPUs less one.
+        System("dspark-plain-threads2", "dspark", (*PLAIN, "--engine-threads", "2")),
         System("inprocess-plain", "inprocess", ("none", "none")),
         System("inprocess", "inprocess", ("auto", "auto")),
+        # torch's default is one intra-op thread per core; on a busy machine one thread can be faster.
+        System("inprocess-plain-threads1", "inprocess", ("none", "none", "1")),
     )
 }
 
@@ -187,14 +193,30 @@ def measure_inprocess(
     system: System, levels: list[int], requests_per_level: dict[int, int], max_tokens: int, dtype: str
 ) -> list[LevelResult]:
     """The same prompts and lengths on the engine in this process: no HTTP, no Ray."""
-    from dspark.bench.serve import ClosedLoop
+    import torch
+
     from dspark.builder import engine_from_config
     from dspark.engine.config import EngineConfig
+
+    drafter, policy, *threads = system.args
+    default_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(int(threads[0]))
+    try:
+        engine = engine_from_config(EngineConfig(drafter=drafter, policy=policy, dtype=dtype))
+        return _closed_loops(engine, levels, requests_per_level, max_tokens)
+    finally:
+        torch.set_num_threads(default_threads)  # the next in-process system starts from the default
+
+
+def _closed_loops(
+    engine, levels: list[int], requests_per_level: dict[int, int], max_tokens: int
+) -> list[LevelResult]:
+    """A warm-up loop of 2 users, then one closed loop per level."""
+    from dspark.bench.serve import ClosedLoop
     from dspark.engine.prompt import encode_prompt
     from dspark.engine.sampling_params import SamplingParams
 
-    drafter, policy = system.args
-    engine = engine_from_config(EngineConfig(drafter=drafter, policy=policy, dtype=dtype))
     prompts = [encode_prompt(engine.tokenizer, p) for p in bench_prompts()]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     results = []

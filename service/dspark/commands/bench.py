@@ -336,8 +336,9 @@ def _csv(text: str) -> list[str]:
     "--systems",
     default="vllm,vllm-ngram,dspark-plain,dspark,inprocess-plain,inprocess",
     show_default=True,
-    help="Comma-separated; vllm-ngram is vLLM's n-gram speculation (k = 4), dspark*-thread the engine on "
-    "the replica's thread (--engine-in-thread), inprocess* the engine without HTTP.",
+    help="Comma-separated; vllm-ngram is vLLM's n-gram speculation (k = 4), dspark*-inthread the engine on "
+    "the replica's thread (--engine-in-thread), *-threadsN at N intra-op threads, inprocess* the engine "
+    "without HTTP.",
 )
 @click.option("--levels", default="1,4,16,64", show_default=True, help="Concurrent users, comma-separated.")
 @click.option(

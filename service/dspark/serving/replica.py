@@ -50,15 +50,18 @@ class EngineReplica:
     def __init__(self, config: ServeConfig, engine: Any | None = None, factory: EngineFactory | None = None):
         self.config = config
         self.loop: EngineBackend
+        engine_pid = None
         if engine is None and not config.engine_in_thread:
-            self.loop = EngineProcess(factory or load_engine, config)
-            self.engine = self.loop.info
+            self.loop = process = EngineProcess(factory or load_engine, config)
+            self.engine, engine_pid = process.info, process.pid
         else:
             self.engine = engine if engine is not None else (factory or load_engine)(config)
             self.loop = EngineLoop(self.engine)
         ecfg = self.engine.config
         self.model_name = config.served_model_name or self.engine.model_name
         self.metrics = ServingMetrics(self.model_name)
+        if engine_pid is not None:
+            self.metrics.watch_engine_process(engine_pid)
         self.loop.metrics = self.metrics
         self.client = AsyncEngineClient(self.loop, max_in_flight=ecfg.max_num_seqs + config.max_queue)
         max_len = self.engine.max_model_len
