@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 
 import pytest
@@ -107,3 +109,31 @@ def test_unknown_source_and_missing_sources_are_refused():
         load_source("wikipedia")
     with pytest.raises(ValueError, match="at least one entry in sources, raw_text or corpus"):
         DataConfig()
+
+
+_RG_DIGEST = """
+import hashlib, json
+import dspark.training.sources as sources
+sources.RG_MATH_PER_TASK = 12  # every task, few problems each: a second per process
+digest = hashlib.sha256()
+for p in sources.load_source("rg-math"):
+    digest.update(json.dumps([p.source, p.domain, p.text]).encode())
+print(digest.hexdigest())
+"""
+
+
+def test_rg_math_prompts_do_not_depend_on_the_hash_seed():
+    """The corpus's prompt order must be the same in every process: shard N + 1 may be added on
+    another machine. Two hash seeds, as two processes would get by chance."""
+
+    def digest(hash_seed: str) -> str:
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed, "PYTHONPATH": os.pathsep.join(sys.path)}
+        out = subprocess.run(
+            [sys.executable, "-c", _RG_DIGEST], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    first = digest("1")
+    assert len(first) == 64
+    assert digest("2") == first

@@ -148,13 +148,41 @@ RG_MATH_TASKS = (
 RG_MATH_PER_TASK = 250
 
 
+def _polynomial_multiplication(size: int, seed: int):
+    """reasoning-gym's `polynomial_multiplication` with its monomials in a fixed order. Upstream
+    draws each term with `rng.choice` from `list(itermonomials(...))`, and sympy builds that from
+    a set, whose order follows the process's string hashes: the questions changed with
+    PYTHONHASHSEED. Sorting the list keeps the generator's draws and makes them reproducible."""
+    import sympy
+    from reasoning_gym.algebra.polynomial_multiplication import (
+        PolynomialMultiplicationConfig,
+        PolynomialMultiplicationDataset,
+    )
+
+    class SortedMonomials(PolynomialMultiplicationDataset):
+        def _get_monomials(self, rng):
+            return sorted(super()._get_monomials(rng), key=sympy.default_sort_key)
+
+    config = PolynomialMultiplicationConfig(seed=seed, size=size)
+    config.validate()
+    return SortedMonomials(config)
+
+
+# reasoning-gym tasks whose stock generator depends on the hash seed, and a stable replacement.
+_RG_HASH_STABLE = {"polynomial_multiplication": _polynomial_multiplication}
+
+
 def rg_math_prompts() -> Iterator[Prompt]:
     try:
         import reasoning_gym
     except ImportError as exc:
         raise SourceUnavailable("rg-math", "pip install reasoning-gym") from exc
     for task in RG_MATH_TASKS:
-        for entry in reasoning_gym.create_dataset(task, size=RG_MATH_PER_TASK, seed=0):
+        if task in _RG_HASH_STABLE:
+            dataset = _RG_HASH_STABLE[task](size=RG_MATH_PER_TASK, seed=0)
+        else:
+            dataset = reasoning_gym.create_dataset(task, size=RG_MATH_PER_TASK, seed=0)
+        for entry in dataset:
             text = str(entry["question"]).strip()
             if text:
                 yield Prompt(text, "math", f"rg-math:{task}", str(entry.get("answer") or "") or None)
