@@ -6,11 +6,10 @@ import numpy as np
 import pytest
 import torch
 from dspark.engine.policy_spec import PolicySettings
-from dspark.engine.survival import survival_probabilities
+from dspark.engine.verify_policy import survival_probabilities
 from dspark.policies import drafting_gate
-from dspark.policies.acceptance_scale import AcceptanceScale
 from dspark.policies.drafting_gate import DraftCost, DraftingGate
-from dspark.policies.dspark import DSparkAsyncPolicy, DSparkPolicy
+from dspark.policies.dspark import AcceptanceScale, DSparkAsyncPolicy, DSparkPolicy
 from dspark.policies.ranking import prefix_greedy_lengths
 from dspark.policies.sps_curve import OnlineSps, table_lookup
 from dspark.profiling.synthetic import synthetic_profile

@@ -12,7 +12,7 @@ from dspark.drafters.ngram import MAX_NGRAM, longest_match
 from dspark.engine.drafter import DraftBlock, Drafter
 from dspark.engine.request import Request
 from dspark.engine.sampler import SamplingTensors
-from dspark.engine.survival import survival_probabilities
+from dspark.engine.verify_policy import survival_probabilities
 
 MODEL_ROW = 0  # tally row of the model's own drafts; rows 1..max_ngram are lookups by match length
 

@@ -13,8 +13,7 @@ from dspark.engine.drafter import DraftBlock, Drafter
 from dspark.engine.request import Request
 from dspark.engine.sampler import SamplingTensors
 from dspark.engine.structured import forbidden_drafts
-from dspark.engine.survival import host_array, survival_probabilities
-from dspark.engine.verify_policy import VerifyPolicy
+from dspark.engine.verify_policy import VerifyPolicy, host_array, survival_probabilities
 
 
 @dataclass

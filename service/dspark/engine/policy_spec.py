@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict, Field
 
 
-class PolicyName(StrEnum):
-    """Every verify-length policy's name, spelled here once."""
-
+class PolicyName(StrEnum):  # every verify-length policy's name, spelled here once
     NONE = "none"
     STATIC = "static"
     FULL = "full"
@@ -19,10 +18,13 @@ class PolicyName(StrEnum):
     DSPARK_ASYNC = "dspark-async"
 
 
-# The policies that schedule against this engine's SPS profile.
-PROFILED_POLICIES = (PolicyName.DSPARK, PolicyName.DSPARK_ASYNC)
-_ARGUMENTS = {PolicyName.STATIC: ":K", PolicyName.THRESHOLD: ":X (0<X<1)"}
-POLICY_HELP = " | ".join(name + _ARGUMENTS.get(name, "") for name in PolicyName)
+PROFILED_POLICIES = (PolicyName.DSPARK, PolicyName.DSPARK_ASYNC)  # schedule against the SPS profile
+# The policies that take an argument: its spelling, type, check, and what the check needs.
+_ARGUMENTS = {
+    PolicyName.STATIC: (":K", int, lambda k: k >= 0, "an integer K >= 0"),
+    PolicyName.THRESHOLD: (":X", float, lambda x: math.isfinite(x) and 0 < x < 1, "a number 0 < X < 1"),
+}
+POLICY_HELP = " | ".join(name + _ARGUMENTS.get(name, ("",))[0] for name in PolicyName)
 
 
 def parse_policy(spec: str) -> tuple[PolicyName, int | float | None]:
@@ -32,24 +34,13 @@ def parse_policy(spec: str) -> tuple[PolicyName, int | float | None]:
     name = PolicyName(text) if text in PolicyName._value2member_map_ else None
     if name in (PolicyName.NONE, PolicyName.FULL, *PROFILED_POLICIES) and not arg:
         return name, None
-    if name == PolicyName.STATIC:
-        k = _number(arg, int)
-        if k is None or k < 0:
-            raise ValueError(f"policy 'static:K' needs an integer K >= 0, got {spec!r}")
-        return name, k
-    if name == PolicyName.THRESHOLD:
-        x = _number(arg, float)
-        if x is None or not (math.isfinite(x) and 0 < x < 1):
-            raise ValueError(f"policy 'threshold:X' needs a number 0 < X < 1, got {spec!r}")
-        return name, x
-    raise ValueError(f"unknown verify policy {spec!r}; expected one of: {POLICY_HELP}")
-
-
-def _number(text: str, kind: type[int] | type[float]) -> int | float | None:
-    try:
-        return kind(text)
-    except ValueError:
-        return None
+    if name not in _ARGUMENTS:
+        raise ValueError(f"unknown verify policy {spec!r}; expected one of: {POLICY_HELP}")
+    spelling, kind, valid, needs = _ARGUMENTS[name]
+    with contextlib.suppress(ValueError):
+        if valid(value := kind(arg)):
+            return name, value
+    raise ValueError(f"policy '{name}{spelling}' needs {needs}, got {spec!r}")
 
 
 def needs_profile(spec: str) -> bool:

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
 from dspark.engine.policy_spec import PolicyName
-from dspark.engine.verify_policy import Confidences, VerifyPolicy
-from dspark.policies.confidence import ConfidencePolicy
+from dspark.engine.verify_policy import ConfidencePolicy, Confidences, VerifyPolicy
 
 
 class StaticPolicy(VerifyPolicy):
@@ -29,9 +26,7 @@ class StaticPolicy(VerifyPolicy):
 class ThresholdPolicy(ConfidencePolicy):
     """SpecDec++-style: l_r = number of leading positions with c_{r,k} >= x (static, load-blind)."""
 
-    def __init__(self, threshold: float) -> None:
-        if not (math.isfinite(threshold) and 0 < threshold < 1):
-            raise ValueError(f"confidence threshold must be strictly between 0 and 1, got {threshold}")
+    def __init__(self, threshold: float) -> None:  # 0 < threshold < 1, checked by `parse_policy`
         self.threshold = threshold
         self.name = f"{PolicyName.THRESHOLD}:{threshold:g}"
 

@@ -1,6 +1,5 @@
-"""Whether a step should draft at all, and how far: DSpark's expected-throughput test extended to
-the drafter. It decides from earlier steps and the request count only, which the coming draft
-cannot shape, so skipping keeps decoding lossless (docs/scheduler.md gives the reasons)."""
+"""Whether a step should draft at all, and how far: DSpark's expected-throughput test extended to the
+drafter. It decides from earlier steps and R only, which the coming draft cannot shape: lossless."""
 
 from __future__ import annotations
 
@@ -15,12 +14,11 @@ import torch
 
 from dspark.engine.outputs import StepStats
 from dspark.engine.policy_spec import PolicySettings
-from dspark.engine.survival import host_array
+from dspark.engine.verify_policy import host_array
 from dspark.policies.ranking import SpsFn, early_stop, expected_throughputs, ranked_candidates
 
 
-def ewma(old: float | None, new: float, alpha: float) -> float:
-    """Exponentially weighted moving average; the first value starts it."""
+def ewma(old: float | None, new: float, alpha: float) -> float:  # the first value starts it
     return new if old is None else old + alpha * (new - old)
 
 
@@ -36,18 +34,9 @@ def _interp(table: dict[int, float], x: int) -> float:
     return table[x0] + (x - x0) / (x1 - x0) * (table[x1] - table[x0])
 
 
-def _padded(rows: np.ndarray, width: int) -> np.ndarray:
-    if rows.shape[1] == width:
-        return rows
-    padded = np.zeros((rows.shape[0], width))  # np.pad: 16 us on a 64 x 5 pool, this: 1 us
-    padded[:, : rows.shape[1]] = rows
-    return padded
-
-
 class DraftCost:
-    """Seconds one drafting call takes for R requests and h positions: an EWMA per observed (R, h),
-    interpolated between the horizons measured at R, else between the per-R EWMAs over all
-    horizons; flat past either end (an unseen larger batch looks cheap, is drafted, then measured)."""
+    """Seconds drafting R requests h positions takes: EWMAs per (R, h), interpolated between horizons
+    at R, else between per-R EWMAs; flat past the ends (an unseen larger R is drafted, then measured)."""
 
     def __init__(self, alpha: float) -> None:
         self.alpha = alpha
@@ -71,9 +60,8 @@ class DraftCost:
 
 
 def expected_rate(pool: np.ndarray, num_requests: int, forward_sps: SpsFn, fixed_s: float) -> float:
-    """Algorithm 1's objective at its early stop for R requests like the `pool` rows (each standing
-    for R / rows requests, so the forward time is interpolated at fractional B), in tokens per
-    second of steps that spend `fixed_s` besides the forward."""
+    """Algorithm 1's objective at its early stop, in tokens per second of steps that spend `fixed_s`
+    besides the forward, for R requests like the `pool` rows (each stands for R / rows of them)."""
 
     def step_rate(batch: np.ndarray) -> np.ndarray:
         low = np.floor(batch).astype(np.int64)
@@ -87,49 +75,39 @@ def expected_rate(pool: np.ndarray, num_requests: int, forward_sps: SpsFn, fixed
 
 
 @dataclass
-class _Exploration:
-    """The gate's exploration at one request count R."""
-
+class _Exploration:  # the gate's exploration at one request count R
     interval: int  # skipped steps in a row before the next exploration
     skipped: int = 0  # skipped in a row so far
     explored: bool = False  # the last step at R was an exploration
 
 
 class DraftingGate:
-    """Drafts a step of R requests only when `expected_rate` with drafting, over the first h
-    confidences of recent drafted steps' rows (at least `memory_rows`, so one unlucky draft cannot
-    switch drafting off), beats plain decoding's R / (other' + 1 / SPS(R)) by `min_gain` (so noise
-    near break-even does not flip it). Per R, `explore_every` skipped steps in a row trigger a
-    burst that renews a quarter of the rows; one that changes nothing doubles the interval.
-    It also keeps the step's costs besides the forward, which Algorithm 1 charges too."""
+    """Drafts R requests h positions only when `expected_rate` over the first h confidences of recent
+    drafted steps' rows (at least `memory_rows`: one unlucky draft cannot switch drafting off) beats
+    plain decoding's R / (other' + 1 / SPS(R)) by `min_gain`; per R, `explore_every` skipped steps
+    in a row trigger a burst that renews a quarter of the rows (see docs/scheduler.md)."""
 
     def __init__(self, settings: PolicySettings = PolicySettings()) -> None:
-        self.settings = settings
-        self.cost = DraftCost(settings.draft_cost_alpha)
-        # The rest of a step besides forward and drafting (acceptance, cache commits): drafted steps
-        # accept more, and charging that to plain decoding biased the gate towards drafting.
+        self.settings, self.cost = settings, DraftCost(settings.draft_cost_alpha)
+        # The rest of a step besides forward and drafting (acceptance, cache commits), apart for
+        # drafted steps: they accept more, and charging that to plain decoding favoured drafting.
         self.other_s = 0.0
         self.plain_other_s: float | None = None
         self._shapes: deque[tuple[int, int]] = deque()  # (rows, width) per remembered step, oldest first
         self._pool = np.zeros((0, 0))  # their rows, zero-padded to the widest
         self._rates: dict[tuple[int, int], tuple[int, float]] = {}  # (R, horizon) -> (evaluation, rate)
-        self._evaluations = 0
-        # Per request count R: a load's exploration says nothing about another's, and under closed
-        # loop R dips for a step whenever a request ends and its successor prefills.
+        # Per R: under closed loop R dips for a step whenever a request ends and its successor prefills.
         self._exploration: dict[int, _Exploration] = {}
-        self._burst_left = 0
-        self.skipped_steps = 0
+        self._burst_left = self._evaluations = self.skipped_steps = 0
 
     def update(self, stats: StepStats, drift: float) -> None:
         """Learn a decode step's costs besides its forward, in drift-free units."""
         if stats.drafted:
             self.cost.observe(len(stats.verify_budgets), stats.draft_time_s / drift, stats.draft_horizon)
         other_s = (stats.step_time_s - stats.forward_time_s - stats.draft_time_s) / drift
-        if other_s < 0:
-            return
-        if stats.drafted:
+        if other_s >= 0 and stats.drafted:
             self.other_s = ewma(self.other_s, other_s, self.settings.overhead_alpha)
-        else:
+        elif other_s >= 0:
             self.plain_other_s = ewma(self.plain_other_s, other_s, self.settings.overhead_alpha)
 
     def remember(self, confidences: np.ndarray | torch.Tensor) -> None:
@@ -143,7 +121,9 @@ class DraftingGate:
             total -= self._shapes.popleft()[0]
         width = max(w for _, w in self._shapes)
         kept = self._pool[self._pool.shape[0] + confidences.shape[0] - total :, :width]
-        self._pool = np.concatenate([_padded(kept, width), _padded(confidences, width)])
+        self._pool = np.zeros((total, width))  # np.pad: 16 us on a 64 x 5 pool, this: 1 us
+        self._pool[: kept.shape[0], : kept.shape[1]] = kept
+        self._pool[kept.shape[0] :, : confidences.shape[1]] = confidences
 
     def draft_horizon(self, num_requests: int, forward_sps: SpsFn, horizons: Sequence[int]) -> int:
         """The horizon among `horizons` with the highest expected rate, or 0 when none beats not
@@ -161,27 +141,23 @@ class DraftingGate:
             self._burst_left = math.ceil(s.memory_rows / (4 * num_requests)) - 1
             return widest
         explored, at_r.explored = at_r.explored, False
-        if self.plain_other_s is None:  # skip one step to measure it
-            self.skipped_steps += 1
-            return 0
-        without = num_requests / (self.plain_other_s + 1.0 / float(forward_sps(np.array([num_requests]))[0]))
-        self._evaluations += 1
-        if explored:
-            self._rates.clear()
-        # Horizons past the remembered rows' width have no confidences to judge them by.
-        width = self._pool.shape[1]
-        best, best_rate = 0, without * (1.0 + s.min_gain)
-        for h in sorted({min(h, width) for h in horizons}):  # ties go to the cheaper, narrower one
-            rate = self._rate(num_requests, h, forward_sps)
-            if rate > best_rate:
-                best, best_rate = h, rate
-        if best:
-            at_r.skipped, at_r.interval = 0, s.explore_every
-            # A wider horizon offered than the rows cover: draft it, so its positions get judged.
-            return widest if widest > width else best
-        if explored:
-            at_r.interval = min(2 * at_r.interval, 8 * s.explore_every)
-        at_r.skipped += 1
+        if self.plain_other_s is not None:  # else skip a step to measure it
+            plain_sps = float(forward_sps(np.array([num_requests]))[0])
+            without = num_requests / (self.plain_other_s + 1.0 / plain_sps)
+            self._evaluations += 1
+            if explored:
+                self._rates.clear()
+            width = self._pool.shape[1]  # horizons past it have no confidences to judge them by
+            candidates = sorted({min(h, width) for h in horizons})
+            rates = [self._rate(num_requests, h, forward_sps) for h in candidates]
+            best = rates.index(max(rates))  # ties go to the cheaper, narrower one
+            if rates[best] > without * (1.0 + s.min_gain):
+                at_r.skipped, at_r.interval = 0, s.explore_every
+                # A wider horizon offered than the rows cover: draft it, so its positions get judged.
+                return widest if widest > width else candidates[best]
+            if explored:
+                at_r.interval = min(2 * at_r.interval, 8 * s.explore_every)
+            at_r.skipped += 1
         self.skipped_steps += 1
         return 0
 

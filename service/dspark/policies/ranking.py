@@ -1,11 +1,7 @@
-"""Verify lengths from confidences: DSpark's Algorithm 1 and its relatives, as array ops.
-
-Candidates are the survival probabilities a[r, j] = prod_{i<=j} c[r, i] (`dspark.engine.survival`),
-ranked by a stable descending sort of the row-major flattening: a[r, j] >= a[r, j+1] and ties keep
-(r, j) ahead of (r, j+1), so every ranked prefix is a set of per-request prefixes and a request's
-length is how many of its candidates were taken. Only a > 0 candidates exist (Algorithm 1's E).
-Lengths come back as a CPU int64 tensor: the engine lays out the batch on the host.
-"""
+"""Verify lengths from confidences: DSpark's Algorithm 1 and its relatives, as array ops. A stable
+descending sort of the survival probabilities' row-major flattening keeps (r, j) ahead of (r, j+1)
+on ties, so every ranked prefix is a set of per-request prefixes and a request's length is how
+many of its candidates were taken; only a > 0 candidates exist (Algorithm 1's E)."""
 
 from __future__ import annotations
 
@@ -14,30 +10,24 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from dspark.engine.survival import survival_probabilities
+from dspark.engine.verify_policy import survival_probabilities
 
-SpsFn = Callable[[np.ndarray], np.ndarray]
-"""Steps per second for float64 batch sizes (NumPy in, NumPy out)."""
+SpsFn = Callable[[np.ndarray], np.ndarray]  # steps per second for float64 batch sizes
+Confs = torch.Tensor | np.ndarray  # [R, gamma] confidences
 
 
-def ranked_candidates(confidences: torch.Tensor | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def ranked_candidates(confidences: Confs) -> tuple[np.ndarray, np.ndarray]:
     """Candidates best first: (survival values [M], request index [M])."""
     survival = survival_probabilities(confidences)
-    values = survival.ravel()
-    order = np.argsort(-values, kind="stable")
-    return values[order], order // survival.shape[1]
+    order = np.argsort(-survival.ravel(), kind="stable")
+    return survival.ravel()[order], order // max(survival.shape[1], 1)
 
 
-def _ranked_lengths(
-    confidences: torch.Tensor | np.ndarray, taken: Callable[[np.ndarray, int], int]
-) -> torch.Tensor:
+def _ranked_lengths(confidences: Confs, taken: Callable[[np.ndarray, int], int]) -> torch.Tensor:
     """Lengths when the first `taken(values, R)` ranked candidates are verified."""
-    num_requests, gamma = confidences.shape
-    if num_requests == 0 or gamma == 0:
-        return torch.zeros(num_requests, dtype=torch.int64)
     values, rows = ranked_candidates(confidences)
-    count = taken(values, num_requests)
-    return torch.from_numpy(np.bincount(rows[:count], minlength=num_requests).astype(np.int64))
+    count = taken(values, confidences.shape[0])
+    return torch.from_numpy(np.bincount(rows[:count], minlength=confidences.shape[0]).astype(np.int64))
 
 
 def expected_throughputs(
@@ -58,20 +48,18 @@ def early_stop(theta: np.ndarray) -> int:
     return int(rising.size if rising.all() else rising.argmin())
 
 
-def prefix_greedy_lengths(confidences: torch.Tensor | np.ndarray, sps_fn: SpsFn) -> torch.Tensor:
-    """Algorithm 1: admit ranked candidates while expected throughput Theta strictly rises. The
-    early break makes it causal: candidate n's admission depends only on candidates ranked above
-    it, never on a later a[r, j+1] that the sampled x[r, j] shaped (paper Appendix A)."""
+def prefix_greedy_lengths(confidences: Confs, sps_fn: SpsFn) -> torch.Tensor:
+    """Algorithm 1: admit ranked candidates while Theta strictly rises. The early break keeps it causal:
+    a candidate's admission never depends on an a[r, j+1] that the sampled x[r, j] shaped (Appendix A)."""
     return _ranked_lengths(confidences, lambda v, r: early_stop(expected_throughputs(v, r, sps_fn)))
 
 
-def global_argmax_lengths(confidences: torch.Tensor | np.ndarray, sps_fn: SpsFn) -> torch.Tensor:
-    """Admit the ranked prefix with the highest Theta, no early break (first maximum wins). NOT
-    lossless on the current step's confidences (x[r, j] votes on its own admission through
-    a[r, j+1]); only safe on earlier steps' confidences, as `AsyncSplit` uses it."""
+def global_argmax_lengths(confidences: Confs, sps_fn: SpsFn) -> torch.Tensor:
+    """The ranked prefix with the highest Theta (first maximum wins), no early break: lossless only on
+    earlier steps' confidences, as `AsyncSplit` uses it (on this step's, x[r, j] votes via a[r, j+1])."""
     return _ranked_lengths(confidences, lambda v, r: int(expected_throughputs(v, r, sps_fn).argmax()))
 
 
-def topk_survival(confidences: torch.Tensor | np.ndarray, k: int) -> torch.Tensor:
+def topk_survival(confidences: Confs, k: int) -> torch.Tensor:
     """Verify the `k` draft tokens with the highest survival probability (fewer if fewer have a > 0)."""
     return _ranked_lengths(confidences, lambda v, r: max(0, min(int(k), int((v > 0).sum()))))

@@ -15,33 +15,27 @@ from dspark.sps_format import SpsProfile, interp_flat, sps_of_array_or_float
 
 
 class OnlineSps:
-    """SPS(B) = prior SPS(B) / (drift * correction(B)), both learned from observed step times: a
-    profile taken on an idle node, or before the hardware drifted, mis-states the step rate. The
-    drift, one factor for every B, follows each observation quickly, so a node that slows down
-    while only some sizes run moves the estimate at all of them; the corrections at the profile's
-    grid points (the curve's shape) move slowly. `table()` is rebuilt every `sps_refresh_every`."""
+    """SPS(B) = prior SPS(B) / (drift * correction(B)), learned from observed step times (an idle or
+    older node's profile mis-states the rate): the drift, shared by every B, follows each observation
+    quickly, so a slowdown seen at some sizes moves all; the grid points' corrections move slowly."""
 
     def __init__(self, prior: SpsProfile, settings: PolicySettings = PolicySettings()) -> None:
-        self.prior = prior
-        self.settings = settings
+        self.prior, self.settings = prior, settings
         self.max_log_jump = math.log(settings.sps_max_jump)
         self._grid = [float(b) for b in prior.batch_tokens()]
         self._log_drift = 0.0
-        self._log_corr = [0.0] * len(self._grid)
-        self._weight = [0.0] * len(self._grid)
-        self.observations = 0
-        self._table: torch.Tensor | None = None
-        self._table_age = 0
+        self._log_corr, self._weight = [0.0] * len(self._grid), [0.0] * len(self._grid)
+        self.observations = self._table_age = 0  # observations in all, and since the table's rebuild
+        self._table = torch.zeros(0)
         self._prior_rates: list[float] = []
 
     def observe(self, batch_tokens: int, seconds: float) -> None:
         """Record that a forward of `batch_tokens` tokens took `seconds`."""
-        if batch_tokens < 1:
-            raise ValueError(f"batch_tokens must be >= 1, got {batch_tokens}")
-        if not (math.isfinite(seconds) and seconds > 0):
-            raise ValueError(f"step time must be a positive finite number of seconds, got {seconds}")
-        s = self.settings
-        log_ratio = math.log(seconds * self._prior_rate(batch_tokens))
+        if batch_tokens < 1 or not (math.isfinite(seconds) and seconds > 0):
+            raise ValueError(f"need batch_tokens >= 1 and seconds > 0, finite; got {batch_tokens}, {seconds}")
+        if len(self._prior_rates) <= batch_tokens:  # a list: indexing a tensor between forwards takes 50 us
+            self._prior_rates = self.prior.table(batch_tokens).tolist()
+        s, log_ratio = self.settings, math.log(seconds * self._prior_rates[batch_tokens])
         neighbours = self._neighbours(float(batch_tokens))
         error = log_ratio - self._log_drift - sum(w * self._log_corr[i] for i, w in neighbours)
         self._log_drift += s.sps_drift_alpha * self._clamp(error)
@@ -50,15 +44,7 @@ class OnlineSps:
             rate = max(s.sps_alpha * share, share / (self._weight[i] + s.sps_prior_weight + share))
             self._log_corr[i] += rate * self._clamp(log_ratio - self._log_drift - self._log_corr[i])
             self._weight[i] += share
-        self.observations += 1
-        self._table_age += 1
-
-    def _prior_rate(self, batch_tokens: int) -> float:
-        """The prior's SPS at an integer B, from a cached list: its scalar lookup builds tensors,
-        and indexing a tensor between two forwards (caches cold) takes 50 us."""
-        if len(self._prior_rates) <= batch_tokens:
-            self._prior_rates = self.prior.table(batch_tokens).tolist()
-        return self._prior_rates[batch_tokens]
+        self.observations, self._table_age = self.observations + 1, self._table_age + 1
 
     def _clamp(self, log_step: float) -> float:
         """At most a factor `sps_max_jump` per observation: a stalled step cannot wreck the curve."""
@@ -67,10 +53,8 @@ class OnlineSps:
     def _neighbours(self, b: float) -> list[tuple[int, float]]:
         """(grid index, share) of the grid points around b."""
         grid = self._grid
-        if b <= grid[0]:
-            return [(0, 1.0)]
-        if b >= grid[-1]:
-            return [(len(grid) - 1, 1.0)]
+        if b <= grid[0] or b >= grid[-1]:
+            return [(0 if b <= grid[0] else len(grid) - 1, 1.0)]
         right = bisect.bisect_right(grid, b)
         w = (b - grid[right - 1]) / (grid[right] - grid[right - 1])
         return [(i, s) for i, s in ((right - 1, 1.0 - w), (right, w)) if s > 0]
@@ -94,19 +78,17 @@ class OnlineSps:
     def table(self, max_batch_tokens: int) -> torch.Tensor:
         """Refined SPS at every integer B in [0, max_batch_tokens] (and maybe beyond), on the CPU."""
         stale = self._table_age >= self.settings.sps_refresh_every
-        if self._table is None or self._table.numel() <= max_batch_tokens or stale:
-            size = max(max_batch_tokens + 1, 0 if self._table is None else self._table.numel(), 64)
+        if self._table.numel() <= max_batch_tokens or stale:
+            size = max(max_batch_tokens + 1, self._table.numel(), 64)
             self._table = self.sps(torch.arange(size, dtype=torch.float64))
             self._table_age = 0
         return self._table
 
 
 def table_lookup(curve: SpsProfile | OnlineSps) -> SpsFn:
-    """SPS at integer batch sizes (NumPy in and out) from the curve's dense `table()`, read through
-    its right envelope SPS(B) = max over B' >= B of SPS(B'): no forward is charged more than a
-    larger one. On a shared CPU an inversion (B = 7 timed slower than B = 8) is timing noise at
-    which Algorithm 1's early break stopped; where one is real, a forward padded to B' runs at
-    SPS(B'). Real cliffs stay as measured; so do the profile file and its plot."""
+    """SPS at integer batch sizes (NumPy in and out) from the curve's `table()`, read through its right
+    envelope max over B' >= B of SPS(B'): an inversion is timing noise that stopped Algorithm 1's early
+    break, and where one is real a forward padded to B' runs at SPS(B'). Cliffs stay as measured."""
     seen = envelope = None
 
     def lookup(batch_tokens: np.ndarray) -> np.ndarray:
