@@ -13,15 +13,18 @@ from pathlib import Path
 import psutil
 import pytest
 from click.testing import CliRunner
+from dspark.bench.cpu_share import measure_cpu, role_of
 from dspark.bench.http_load import LevelResult, run_level
 from dspark.bench.peer import (
     SYSTEMS,
     PeerRun,
+    format_cpu_table,
     format_table,
     free_port,
     measure_inprocess,
     running_server,
     server_command,
+    stop_group,
 )
 from dspark.cli import main
 
@@ -183,3 +186,37 @@ def test_an_inprocess_thread_count_applies_to_its_system_only(monkeypatch):
         assert seen == [1, 2] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_process_roles_follow_the_titles_vllm_and_ray_give():
+    assert role_of("/venv/bin/python -m dspark.serving.engine_core 63") == "engine"
+    assert role_of("VLLM::EngineCore") == "engine" and role_of("VLLM::Worker") == "engine"
+    assert role_of("ray::ServeReplica:dspark:OpenAIServer") == "replica"
+    assert role_of("ray::ProxyActor") == "proxy"
+    assert role_of("python -m vllm.entrypoints.openai.api_server --model m") == "api server"
+    assert role_of("/venv/ray/core/src/ray/gcs/gcs_server --log_dir=/tmp") == "other"
+
+
+def test_cpu_is_charged_to_the_server_process_that_burned_it():
+    # A "server" whose child titles itself as the engine and burns CPU; the parent only sleeps.
+    burn = "import time; t = time.process_time()\nwhile time.process_time() - t < 0.6: pass\ntime.sleep(30)"
+    child = f"exec -a dspark.serving.engine_core {sys.executable} -c '{burn}'"
+    server = subprocess.Popen(["bash", "-c", f"{child} & sleep 30"], start_new_session=True)
+    try:
+        time.sleep(0.2)  # the child exists before the interval starts
+        with measure_cpu(server.pid) as cpu:
+            time.sleep(2.0)
+        assert cpu.seconds["engine"] > 0.3
+        assert cpu.seconds["replica"] == 0 and cpu.seconds["other"] < 0.1
+        assert cpu.ms_per_token(1000)["engine"] == pytest.approx(cpu.seconds["engine"], rel=0.01)
+    finally:
+        stop_group(server, grace_s=0.5)
+
+
+def test_the_cpu_table_gives_ms_per_token_by_role_and_cores_busy():
+    run = PeerRun([16])
+    for cpu in ({"engine": 4.0, "proxy": 0.3, "client": 0.1}, {"engine": 5.0, "proxy": 0.5, "client": 0.1}):
+        run.add("dspark-plain", LevelResult(16, 32, 4000, 20.0, 200.0, 12.0, 0.3, cpu))
+    table = format_cpu_table(run)
+    assert "| system | users | engine | proxy | client | total ms/token | cores busy |" in table
+    assert "| dspark-plain | 16 | 4.50 | 0.40 | 0.10 | 5.00 | 1.00 |" in table

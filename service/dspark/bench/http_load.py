@@ -11,7 +11,7 @@ import asyncio
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import httpx
 
@@ -34,6 +34,7 @@ class LevelResult:
     aggregate_tokens_per_s: float
     per_user_p50: float  # a request's output tokens over its latency, median over requests
     ttft_p50_s: float
+    cpu_ms_per_token: dict[str, float] = field(default_factory=dict)  # by role (bench.cpu_share)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dspark.bench.cpu_share import ROLES, measure_cpu, process_cpu_seconds
 from dspark.bench.http_load import LevelResult, run_level, wait_until_serving
 from dspark.prompts.builtin import BUILTIN_PROMPTS
 
@@ -183,10 +184,13 @@ def measure_server(
     with running_server(command, log_path, env) as proc:
         wait_until_serving(base, startup_timeout_s, alive=lambda: proc.poll() is None)
         run_level(base, MODEL_NAME, prompts, 2, 2, max_tokens)  # warm-up: first-call allocations
-        return [
-            run_level(base, MODEL_NAME, prompts, users, requests_per_level[users], max_tokens)
-            for users in levels
-        ]
+        results = []
+        for users in levels:
+            with measure_cpu(proc.pid) as cpu:
+                result = run_level(base, MODEL_NAME, prompts, users, requests_per_level[users], max_tokens)
+            result.cpu_ms_per_token = cpu.ms_per_token(result.output_tokens)
+            results.append(result)
+        return results
 
 
 def measure_inprocess(
@@ -222,8 +226,10 @@ def _closed_loops(
     results = []
     for users in [2, *levels]:  # the first loop warms up, as the servers' warm-up request does
         loop = ClosedLoop(engine, prompts, users, requests_per_level.get(users, 2), params, f"u{users}-")
+        cpu_before = process_cpu_seconds()
         while not loop.done:
             loop.advance()
+        cpu_seconds = process_cpu_seconds() - cpu_before
         p = loop.point()
         results.append(
             LevelResult(
@@ -234,6 +240,7 @@ def _closed_loops(
                 aggregate_tokens_per_s=round(p.aggregate_tokens_per_s, 2),
                 per_user_p50=round(p.per_user_p50, 2),
                 ttft_p50_s=round(p.ttft_p50_s, 4),
+                cpu_ms_per_token={"engine": round(cpu_seconds * 1e3 / max(p.output_tokens, 1), 3)},
             )
         )
     return results[1:]
@@ -313,6 +320,32 @@ def _round_spread(run: PeerRun, system: str, users: int) -> str:
     if len(values) < 2:
         return ""
     return f" ±{(max(values) - min(values)) / statistics.median(values) * 50:.0f}%"
+
+
+def format_cpu_table(run: PeerRun) -> str:
+    """CPU milliseconds per output token by role (median of rounds), and the cores kept busy: a
+    served system below its in-process twin either saturates one role or waits between them."""
+    roles = [
+        r
+        for r in ROLES
+        if any(r in x.cpu_ms_per_token for by in run.points.values() for rs in by.values() for x in rs)
+    ]
+    lines = [
+        "| system | users | " + " | ".join(roles) + " | total ms/token | cores busy |",
+        "|---" * (len(roles) + 4) + "|",
+    ]
+    for system, by_level in run.points.items():
+        for users in run.levels:
+            rounds = [r for r in by_level.get(users, []) if r.cpu_ms_per_token]
+            if not rounds:
+                continue
+            cells = [statistics.median(r.cpu_ms_per_token.get(role, 0.0) for r in rounds) for role in roles]
+            busy = statistics.median(
+                sum(r.cpu_ms_per_token.values()) * r.aggregate_tokens_per_s / 1e3 for r in rounds
+            )
+            row = " | ".join(f"{c:.2f}" for c in cells)
+            lines.append(f"| {system} | {users} | {row} | {sum(cells):.2f} | {busy:.2f} |")
+    return "\n".join(lines)
 
 
 def plot_frontier(run: PeerRun, path: Path) -> None:

@@ -358,7 +358,7 @@ def peer(vllm_python, systems, levels, requests_per_user, max_tokens, rounds, dt
     """This server against vLLM: the same model files, prompts and closed-loop client on loopback."""
     import json
 
-    from dspark.bench.peer import SYSTEMS, format_table, plot_frontier, run_peer_bench
+    from dspark.bench.peer import SYSTEMS, format_cpu_table, format_table, plot_frontier, run_peer_bench
     from dspark.models.pull import resolve_target
 
     names = [s.strip() for s in systems.split(",") if s.strip()]
@@ -386,8 +386,11 @@ def peer(vllm_python, systems, levels, requests_per_user, max_tokens, rounds, dt
         table = format_table(run)
         points = {s: {u: [r.as_dict() for r in rs] for u, rs in by.items()} for s, by in run.points.items()}
         (output_dir / "peer.json").write_text(json.dumps({"meta": meta, "points": points}, indent=2) + "\n")
-        (output_dir / "peer.md").write_text(f"{meta['date']}, {meta['machine']}\n\n{table}\n")
-        return table
+        cpu = format_cpu_table(run)
+        (output_dir / "peer.md").write_text(
+            f"{meta['date']}, {meta['machine']}\n\n{table}\n\nCPU per output token, by process role:\n\n{cpu}\n"
+        )
+        return f"{table}\n\n{cpu}"
 
     # SIGTERM as Ctrl-C: the servers' context managers stop them on the way out.
     signal.signal(signal.SIGTERM, _interrupt)
