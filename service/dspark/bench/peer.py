@@ -328,7 +328,9 @@ def format_cpu_table(run: PeerRun) -> str:
     roles = [
         r
         for r in ROLES
-        if any(r in x.cpu_ms_per_token for by in run.points.values() for rs in by.values() for x in rs)
+        if any(
+            x.cpu_ms_per_token.get(r, 0.0) > 0 for by in run.points.values() for rs in by.values() for x in rs
+        )
     ]
     lines = [
         "| system | users | " + " | ".join(roles) + " | total ms/token | cores busy |",
