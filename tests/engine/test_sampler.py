@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dspark.engine.sampler import SamplingTensors, draw, logits_to_probs, sample
+from dspark.engine.sampler import CDF_BLOCK, SamplingTensors, draw, invert_cdf, logits_to_probs, sample
 from dspark.engine.sampling_params import SamplingParams
 
 
@@ -88,3 +88,39 @@ def test_seeded_rows_reproduce_regardless_of_batch_neighbours():
 def test_invalid_sampling_params_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def _flat_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    cdf = probs.double().cumsum(-1)
+    return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
+
+
+@pytest.mark.parametrize("vocab", [5, CDF_BLOCK, CDF_BLOCK + 44, 49152])
+def test_the_blocked_cdf_draws_what_one_cumulative_sum_draws(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    probs = torch.rand(256, vocab, generator=g) ** 4
+    probs[torch.rand(256, vocab, generator=g) < 0.5] = 0  # zero-mass tokens, whole zero blocks too
+    probs[:, vocab // 2] += 0.01
+    probs /= probs.sum(-1, keepdim=True)
+    u = torch.rand(256, generator=g, dtype=torch.float64)
+    tokens = invert_cdf(probs, u)
+    assert torch.equal(tokens, _flat_inverse_cdf(probs, u))
+    assert (probs.gather(1, tokens[:, None]) > 0).all()
+
+
+def test_the_blocked_cdf_never_steps_past_the_mass_at_the_edges():
+    probs = torch.zeros(4, 3 * CDF_BLOCK)
+    probs[0, 0] = probs[1, -1] = probs[2, CDF_BLOCK] = probs[3, CDF_BLOCK - 1] = 1.0
+    u = torch.tensor([0.0, 1 - 2**-40, 0.5, 1 - 2**-40], dtype=torch.float64)
+    assert invert_cdf(probs, u).tolist() == [0, 3 * CDF_BLOCK - 1, CDF_BLOCK, CDF_BLOCK - 1]
+    # A draw of 0 skips leading zero-mass tokens.
+    assert invert_cdf(probs[1:3], torch.zeros(2, dtype=torch.float64)).tolist() == [
+        3 * CDF_BLOCK - 1,
+        CDF_BLOCK,
+    ]
+    # Mass at the start of a row only, whose float32 block sum (0.30000001) exceeds the float64 sum
+    # of its tokens (0.30000000447): a draw near 1 stays on the last token with mass.
+    tail = torch.zeros(2, 2 * CDF_BLOCK)
+    tail[:, :3] = 0.1
+    assert tail[0].view(2, CDF_BLOCK).sum(-1)[0].item() > tail[0, :3].double().sum().item()
+    assert invert_cdf(tail, torch.tensor([1 - 2**-50, 0.1], dtype=torch.float64)).tolist() == [2, 0]

@@ -166,6 +166,13 @@ def random_rows(
     return out
 
 
+# The CDF is searched in two levels: sums of blocks of this many tokens (float32 within a block, as
+# the probabilities themselves, float64 across blocks), then a float64 cumulative sum inside the one
+# block the draw falls in. A float64 cumulative sum over the whole vocabulary was about 15% of a
+# batch-128 sampled decode step on the CPU, twenty times these sums.
+CDF_BLOCK = 256
+
+
 def sample(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """Draw one token per distribution from probs [R, ..., V] by inverting the CDF (no CPU sync).
 
@@ -173,7 +180,29 @@ def sample(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) ->
     exponential race cost a vocabulary-sized draw per row and dominated batched decode steps.
     """
     u = random_rows(probs.shape[:-1], generators, probs.device, "uniform")
-    cdf = probs.double().cumsum(-1)
-    # right=True: the first index whose CDF exceeds the draw, so zero-mass tokens are never chosen.
-    idx = torch.searchsorted(cdf, (u.double() * cdf[..., -1])[..., None], right=True)
-    return idx.squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+    flat = probs.reshape(-1, probs.shape[-1])
+    return invert_cdf(flat, u.reshape(-1).double()).reshape(probs.shape[:-1])
+
+
+def invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of probs [N, V] (unnormalised mass), the first token whose cumulative mass exceeds
+    u [N] (float64 in [0, 1)) times the row's total: zero-mass tokens are never chosen."""
+    n, vocab = probs.shape
+    blocks = -(-vocab // CDF_BLOCK)
+    if blocks * CDF_BLOCK != vocab:
+        probs = torch.nn.functional.pad(probs, (0, blocks * CDF_BLOCK - vocab))
+    by_block = probs.view(n, blocks, CDF_BLOCK)
+    block_cdf = by_block.sum(-1).double().cumsum(-1)  # [N, blocks]
+    total = block_cdf[:, -1:]
+    target = u[:, None] * total
+    # The first block whose cumulative mass exceeds the target, at most the last one with mass.
+    block = torch.minimum(
+        torch.searchsorted(block_cdf, target, right=True), (block_cdf < total).sum(-1, keepdim=True)
+    )
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
+    inner = by_block.gather(1, block[:, :, None].expand(-1, -1, CDF_BLOCK)).squeeze(1).double().cumsum(-1)
+    token = torch.minimum(
+        torch.searchsorted(inner, target - before, right=True),
+        (inner < inner[:, -1:]).sum(-1, keepdim=True),  # rounding must not step past the block's mass
+    )
+    return (block * CDF_BLOCK + token).squeeze(1).clamp_(max=vocab - 1)
