@@ -74,8 +74,7 @@ def measure_cpu(server_pid: int) -> Iterator[CpuShare]:
     share = CpuShare()
     procs = _family(server_pid)
     before = _snapshot(procs)
-    client = psutil.Process(os.getpid())
-    client_before = _cpu_seconds(client)
+    client_before = process_cpu_seconds()
     yield share
     procs.update({pid: p for pid, p in _family(server_pid).items() if pid not in procs})
     after = _snapshot(procs)
@@ -84,5 +83,5 @@ def measure_cpu(server_pid: int) -> Iterator[CpuShare]:
         with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
             role = role_of(" ".join(procs[pid].cmdline()))
             seconds[role] += value - before.get(pid, 0.0)
-    seconds["client"] += _cpu_seconds(client) - client_before
+    seconds["client"] += process_cpu_seconds() - client_before
     share.seconds = {r: round(s, 4) for r, s in seconds.items()}
