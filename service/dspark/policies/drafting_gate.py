@@ -105,9 +105,11 @@ class DraftingGate:
         if stats.drafted:
             self.cost.observe(len(stats.verify_budgets), stats.draft_time_s / drift, stats.draft_horizon)
         other_s = (stats.step_time_s - stats.forward_time_s - stats.draft_time_s) / drift
-        if other_s >= 0 and stats.drafted:
+        if other_s < 0:
+            return
+        if stats.drafted:
             self.other_s = ewma(self.other_s, other_s, self.settings.overhead_alpha)
-        elif other_s >= 0:
+        else:
             self.plain_other_s = ewma(self.plain_other_s, other_s, self.settings.overhead_alpha)
 
     def remember(self, confidences: np.ndarray | torch.Tensor) -> None:
@@ -141,23 +143,25 @@ class DraftingGate:
             self._burst_left = math.ceil(s.memory_rows / (4 * num_requests)) - 1
             return widest
         explored, at_r.explored = at_r.explored, False
-        if self.plain_other_s is not None:  # else skip a step to measure it
-            plain_sps = float(forward_sps(np.array([num_requests]))[0])
-            without = num_requests / (self.plain_other_s + 1.0 / plain_sps)
-            self._evaluations += 1
-            if explored:
-                self._rates.clear()
-            width = self._pool.shape[1]  # horizons past it have no confidences to judge them by
-            candidates = sorted({min(h, width) for h in horizons})
-            rates = [self._rate(num_requests, h, forward_sps) for h in candidates]
-            best = rates.index(max(rates))  # ties go to the cheaper, narrower one
-            if rates[best] > without * (1.0 + s.min_gain):
-                at_r.skipped, at_r.interval = 0, s.explore_every
-                # A wider horizon offered than the rows cover: draft it, so its positions get judged.
-                return widest if widest > width else candidates[best]
-            if explored:
-                at_r.interval = min(2 * at_r.interval, 8 * s.explore_every)
-            at_r.skipped += 1
+        if self.plain_other_s is None:  # skip one step to measure it
+            self.skipped_steps += 1
+            return 0
+        plain_sps = float(forward_sps(np.array([num_requests]))[0])
+        without = num_requests / (self.plain_other_s + 1.0 / plain_sps)
+        self._evaluations += 1
+        if explored:
+            self._rates.clear()
+        width = self._pool.shape[1]  # horizons past it have no confidences to judge them by
+        candidates = sorted({min(h, width) for h in horizons})
+        rates = [self._rate(num_requests, h, forward_sps) for h in candidates]
+        best = rates.index(max(rates))  # ties go to the cheaper, narrower one
+        if rates[best] > without * (1.0 + s.min_gain):
+            at_r.skipped, at_r.interval = 0, s.explore_every
+            # A wider horizon offered than the rows cover: draft it, so its positions get judged.
+            return widest if widest > width else candidates[best]
+        if explored:
+            at_r.interval = min(2 * at_r.interval, 8 * s.explore_every)
+        at_r.skipped += 1
         self.skipped_steps += 1
         return 0
 

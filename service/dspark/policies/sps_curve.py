@@ -44,7 +44,8 @@ class OnlineSps:
             rate = max(s.sps_alpha * share, share / (self._weight[i] + s.sps_prior_weight + share))
             self._log_corr[i] += rate * self._clamp(log_ratio - self._log_drift - self._log_corr[i])
             self._weight[i] += share
-        self.observations, self._table_age = self.observations + 1, self._table_age + 1
+        self.observations += 1
+        self._table_age += 1
 
     def _clamp(self, log_step: float) -> float:
         """At most a factor `sps_max_jump` per observation: a stalled step cannot wreck the curve."""
