@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,10 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+
+# Engines here run the eager forward unless a test asks for `compile`: inductor takes about a
+# minute per process. `DSPARK_COMPILE=1 make test` runs the whole suite compiled.
+os.environ.setdefault("DSPARK_COMPILE", "0")
 
 TINY = dict(
     vocab_size=64,

@@ -34,7 +34,13 @@ def target(monkeypatch) -> FakeTarget:
 
 def engine(target: FakeTarget) -> SimpleNamespace:
     drafter = SimpleNamespace(target_layers=())
-    return SimpleNamespace(model=target, cache=None, device=torch.device("cpu"), drafter=drafter)
+    return SimpleNamespace(
+        model=target,
+        runner=SimpleNamespace(forward=target),
+        cache=None,
+        device=torch.device("cpu"),
+        drafter=drafter,
+    )
 
 
 def test_passes_alternate_direction_and_every_size_gets_its_repeats(target) -> None:

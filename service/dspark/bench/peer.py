@@ -51,6 +51,9 @@ SYSTEMS: dict[str, System] = {
         System("vllm-ngram", "vllm", ("--speculative-config", NGRAM_SPEC)),
         System("dspark-plain", "dspark", PLAIN),
         System("dspark", "dspark", ("--drafter", "auto", "--policy", "auto")),
+        # The target's forward run eagerly instead of as inductor graphs.
+        System("dspark-plain-eager", "dspark", (*PLAIN, "--no-compile")),
+        System("dspark-eager", "dspark", ("--drafter", "auto", "--policy", "auto", "--no-compile")),
         # The engine stepped on a thread of the replica instead of in its own process.
         System("dspark-plain-inthread", "dspark", (*PLAIN, "--engine-in-thread")),
         System("dspark-inthread", "dspark", ("--drafter", "auto", "--policy", "auto", "--engine-in-thread")),

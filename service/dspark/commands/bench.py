@@ -337,8 +337,8 @@ def _csv(text: str) -> list[str]:
     default="vllm,vllm-ngram,dspark-plain,dspark,inprocess-plain,inprocess",
     show_default=True,
     help="Comma-separated; vllm-ngram is vLLM's n-gram speculation (k = 4), dspark*-inthread the engine on "
-    "the replica's thread (--engine-in-thread), *-threadsN at N intra-op threads, inprocess* the engine "
-    "without HTTP.",
+    "the replica's thread (--engine-in-thread), *-threadsN at N intra-op threads, dspark*-eager the "
+    "target's forward uncompiled (--no-compile), inprocess* the engine without HTTP.",
 )
 @click.option("--levels", default="1,4,16,64", show_default=True, help="Concurrent users, comma-separated.")
 @click.option(

@@ -47,6 +47,12 @@ def engine_options(command: Callable) -> Callable:
             help="Reuse the KV of cached prompt prefixes.",
         ),
         click.option(
+            "--compile/--no-compile",
+            default=None,
+            help="Run the target's forward as inductor graphs on the CPU [default: on for the CPU "
+            "unless DSPARK_COMPILE=0; about a minute at the first start, seconds once cached].",
+        ),
+        click.option(
             "--cuda-graphs/--no-cuda-graphs",
             default=None,
             help="Replay decode and verification steps as CUDA graphs per batch bucket "
@@ -56,7 +62,7 @@ def engine_options(command: Callable) -> Callable:
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
-        values = {f: kwargs.pop(f) for f in (*SELECTION_FIELDS, "cuda_graphs")}
+        values = {f: kwargs.pop(f) for f in (*SELECTION_FIELDS, "compile", "cuda_graphs")}
         try:
             kwargs["engine_config"] = EngineConfig(**values)
         except ValidationError as e:

@@ -35,6 +35,11 @@ from dspark.serving.config import load_config
     help="Reuse the KV of cached prompt prefixes.  [default: on]",
 )
 @click.option(
+    "--compile/--no-compile",
+    default=None,
+    help="Run the target's forward as inductor graphs on the CPU.  [default: on for the CPU]",
+)
+@click.option(
     "--engine-in-thread/--engine-in-process",
     default=None,
     help="Step the engine on a thread of the replica, not in its own process.  [default: process]",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from functools import cache
 from pathlib import Path
 from typing import Literal
@@ -47,6 +48,12 @@ class EngineConfig(BaseModel):
         description="Replay decode and verification steps as CUDA graphs per batch bucket (None: on for "
         "CUDA, off elsewhere; True off CUDA runs the same padded static-shape steps eagerly).",
     )
+    compile: bool | None = Field(
+        None,
+        description="Run the target's forward as inductor graphs on the CPU (None: $DSPARK_COMPILE when "
+        "set, else on for the CPU, falling back to eager where inductor cannot build). Start-up compiles "
+        "them: about a minute the first time, seconds from inductor's on-disk cache.",
+    )
     cuda_graph_batch_sizes: tuple[int, ...] = Field(
         DEFAULT_BATCH_BUCKETS, min_length=1, description="Request-count buckets, capped by max_num_seqs."
     )
@@ -70,6 +77,15 @@ class EngineConfig(BaseModel):
     def static_steps(self, device: torch.device) -> bool:
         """Whether decode steps run padded to buckets (graphs captured on CUDA)."""
         return device.type == "cuda" if self.cuda_graphs is None else self.cuda_graphs
+
+    def compiles(self, device: torch.device) -> bool:
+        """Whether the target's forward runs compiled; on CUDA, steps replay CUDA graphs instead."""
+        wanted = self.compile
+        if wanted is None:
+            wanted = os.environ.get("DSPARK_COMPILE", "1") != "0"
+        elif wanted and device.type != "cpu":
+            raise ValueError("compile applies to the CPU; on CUDA, steps replay CUDA graphs (--cuda-graphs)")
+        return wanted and device.type == "cpu"
 
     @field_validator("policy")
     @classmethod

@@ -25,6 +25,7 @@ from dspark.engine.stats import step_stats
 from dspark.engine.structured import GrammarCompiler
 from dspark.engine.verify import verify
 from dspark.engine.verify_policy import VerifyPolicy
+from dspark.models.compiled_forward import compiled_or_eager
 from dspark.models.config import head_dim
 from dspark.models.kv_cache import KVCache, check_kv_budget
 from dspark.models.static_batch import batch_buckets
@@ -77,7 +78,12 @@ class LLMEngine:
             dtype,
             device,
         )
-        self.runner = ModelRunner(model, self.cache, device)
+        forward = model
+        if config.compiles(device):
+            forward = compiled_or_eager(
+                model, self.cache, drafter.target_layers, required=bool(config.compile)
+            )
+        self.runner = ModelRunner(forward, self.cache, device)
         self.static_runner = self._static_runner() if static else None
         prefix_cache = PrefixCache(drafter.context_limit) if config.prefix_caching else None
         self.scheduler = Scheduler(self.cache, config.max_batch_tokens, prefix_cache)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.engine.scheduler import StepPlan
+from dspark.models.compiled_forward import CompiledForward
 from dspark.models.forward_batch import ForwardBatch
 from dspark.models.kv_cache import KVCache
 from dspark.models.transformer import DecoderModel, ForwardOutput
@@ -22,8 +23,8 @@ class StepForward:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, cache: KVCache, device: torch.device) -> None:
-        self.model = model
+    def __init__(self, forward: DecoderModel | CompiledForward, cache: KVCache, device: torch.device) -> None:
+        self.forward = forward
         self.cache = cache
         self.device = device
 
@@ -56,5 +57,5 @@ class ModelRunner:
             lengths.append(chunk)
         batch = ForwardBatch.build(slots, starts, lengths, logit_rows, self.device)
         input_ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-        output = self.model(input_ids, batch, self.cache, hidden_layers=hidden_layers)
+        output = self.forward(input_ids, batch, self.cache, hidden_layers=hidden_layers)
         return StepForward(output, batch.offsets, logit_starts)

@@ -33,7 +33,20 @@ class PackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled():  # training reads `weight`, the packed copy would go stale
             return F.linear(x, self.weight, self.bias)
+        if torch.compiler.is_compiling():  # inductor cannot lower the packed op itself
+            return packed_linear(x, self.packed, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+@torch.library.custom_op("dspark::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The packed matmul as one opaque op of a compiled graph."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], packed.shape[0])
 
 
 def pack_linears(model: nn.Module) -> int:

@@ -47,9 +47,11 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        batch: ForwardBatch | PaddedBatch,
-        cache: KVCache,
+        batch: ForwardBatch | PaddedBatch | None,
+        cache: KVCache | None,
     ) -> torch.Tensor:
+        """batch None: inside a compiled graph, where attention is one opaque op per layer that reads
+        the batch bound by `compiled_forward.bind` (its Python metadata would guard every step)."""
         t, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
         qk, v = self.qkv_proj(x).split([(heads + kv_heads) * self.head_dim, kv_heads * self.head_dim], -1)
         qk, v = qk.view(t, heads + kv_heads, self.head_dim), v.view(t, kv_heads, self.head_dim)
@@ -57,7 +59,22 @@ class Attention(nn.Module):
             qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), 1)
         # Queries and keys side by side: one rotation for both.
         q, k = apply_rotary(qk, cos, sin).split([heads, kv_heads], 1)
+        if batch is None:
+            out = torch.ops.dspark.attention(q, k, v, self.layer_idx)
+        else:
+            out = self.attend(q, k, v, batch, cache)
+        return self.o_proj(out)
 
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: ForwardBatch | PaddedBatch,
+        cache: KVCache,
+    ) -> torch.Tensor:
+        """Write the new tokens' K/V into their slots, then attend: [T, H, hd] -> [T, H * hd]."""
+        t = q.shape[0]
         k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
         # Indexed as [slot, position] over a transposed view: `cache[slots, :, positions] = k` (indices
         # around the head axis) is about 6x slower on the CPU, and the same one kernel on a GPU.
@@ -66,9 +83,9 @@ class Attention(nn.Module):
         v_cache.transpose(1, 2).index_put_(where, v)
 
         if isinstance(batch, PaddedBatch):
-            return self.o_proj(attend_padded(q, k_cache, v_cache, batch).reshape(t, -1))
+            return attend_padded(q, k_cache, v_cache, batch).reshape(t, -1)
         if batch.short is not None and batch.short.covers_all:
-            return self.o_proj(_attend_short(q, k_cache, v_cache, batch.short).reshape(t, -1))
+            return _attend_short(q, k_cache, v_cache, batch.short).reshape(t, -1)
         out = torch.empty_like(q)
         if batch.short is not None:
             out[batch.short.tokens] = _attend_short(q, k_cache, v_cache, batch.short)
@@ -82,7 +99,7 @@ class Attention(nn.Module):
                 None if start == 0 else _causal_mask(start, hi - lo, q.device),
                 is_causal=start == 0,
             )[0].transpose(0, 1)
-        return self.o_proj(out.reshape(t, -1))
+        return out.reshape(t, -1)
 
 
 def _attend_short(
@@ -130,7 +147,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, batch: ForwardBatch | PaddedBatch, cache: KVCache) -> torch.Tensor:
+    def forward(
+        self, x, cos, sin, batch: ForwardBatch | PaddedBatch | None, cache: KVCache | None
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -167,17 +186,29 @@ class DecoderModel(nn.Module):
         cache: KVCache,
         hidden_layers: tuple[int, ...] = (),
     ) -> ForwardOutput:
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary(batch.positions, x.dtype)
-        captured = []
         with without_cudnn_attention():
-            for i, layer in enumerate(self.model.layers):
-                x = layer(x, cos, sin, batch, cache)
-                if i in hidden_layers:
-                    captured.append(x)
-        final = self.model.norm(x[batch.logit_rows])
-        logits = self.lm_head(final).float()
-        return ForwardOutput(
-            logits=logits,
-            layer_hidden=torch.cat(captured, dim=-1) if captured else None,
-        )
+            logits, hidden = self.run(
+                input_ids, batch.positions, batch.logit_rows, hidden_layers, batch, cache
+            )
+        return ForwardOutput(logits=logits, layer_hidden=hidden)
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logit_rows: torch.Tensor | slice,
+        hidden_layers: tuple[int, ...],
+        batch: ForwardBatch | PaddedBatch | None,
+        cache: KVCache | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [N, V] float32 of `logit_rows`, and the requested layers' outputs [T, m * hidden];
+        with batch None, the body of a compiled graph (see `Attention.forward`)."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        captured = []
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, batch, cache)
+            if i in hidden_layers:
+                captured.append(x)
+        logits = self.lm_head(self.model.norm(x[logit_rows])).float()
+        return logits, torch.cat(captured, dim=-1) if captured else None

@@ -60,7 +60,7 @@ def time_forwards(
             tokens, batch = inputs[i]
             sync(device)
             start = time.perf_counter()
-            engine.model(tokens, batch, engine.cache, hidden_layers=engine.drafter.target_layers)
+            engine.runner.forward(tokens, batch, engine.cache, hidden_layers=engine.drafter.target_layers)
             sync(device)
             times[i].append(time.perf_counter() - start)
             if timed:

@@ -16,7 +16,7 @@ from dspark.validation import describe
 ENV_PREFIX = "DSPARK_"
 CONFIG_FILE_ENV = "DSPARK_CONFIG"
 # Engine settings live in the engine's own EngineConfig; None here means "the engine's default".
-ENGINE_FIELDS = (*SELECTION_FIELDS, "sps_profile", "strict_profile")
+ENGINE_FIELDS = (*SELECTION_FIELDS, "compile", "sps_profile", "strict_profile")
 
 
 class AutoscalingSettings(BaseModel):
@@ -48,6 +48,7 @@ class ServeConfig(BaseModel):
     max_batch_tokens: int | None = Field(None, ge=1)
     prefix_caching: bool | None = Field(None, description="Reuse the KV of cached prompt prefixes.")
     strict_profile: bool | None = Field(None, description="Refuse to start without a matching profile.")
+    compile: bool | None = Field(None, description="Run the target's forward as inductor graphs (CPU).")
 
     engine_in_thread: bool = Field(
         False,

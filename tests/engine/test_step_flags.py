@@ -1,4 +1,5 @@
-"""`--cuda-graphs/--no-cuda-graphs` reaches EngineConfig; the field's default follows the device."""
+"""`--cuda-graphs/--no-cuda-graphs` and `--compile/--no-compile` reach EngineConfig; the
+defaults follow the device."""
 
 from __future__ import annotations
 
@@ -13,13 +14,20 @@ from dspark.engine.config import EngineConfig
 @click.command()
 @engine_options
 def show(engine_config: EngineConfig) -> None:
-    click.echo(repr(engine_config.cuda_graphs))
+    click.echo(f"{engine_config.cuda_graphs} {engine_config.compile}")
 
 
 @pytest.mark.parametrize(
-    "args,expected", [([], "None"), (["--no-cuda-graphs"], "False"), (["--cuda-graphs"], "True")]
+    "args,expected",
+    [
+        ([], "None None"),
+        (["--no-cuda-graphs"], "False None"),
+        (["--cuda-graphs"], "True None"),
+        (["--compile"], "None True"),
+        (["--no-compile", "--cuda-graphs"], "True False"),
+    ],
 )
-def test_flag_sets_the_field(args, expected):
+def test_flags_set_the_fields(args, expected):
     result = CliRunner().invoke(show, args)
     assert result.exit_code == 0, result.output
     assert result.output.strip() == expected
