@@ -171,23 +171,25 @@ class SpsProfile(BaseModel):
 
     # -- does it belong to this engine? --------------------------------------------------------
 
-    def mismatches(self, model: str, dtype: str, device: str) -> list[str]:
+    def mismatches(self, model: str, dtype: str, device: str, forward: str | None = None) -> list[str]:
+        """What differs from the engine; `forward` ("compiled" or "eager") is checked when given, and
+        a profile that does not record it was measured eagerly."""
         found = []
-        for what, mine, theirs in (
-            ("model", self.model, model),
-            ("dtype", self.dtype, dtype),
-            ("device", self.device, device),
-        ):
+        checks = [("model", self.model, model), ("dtype", self.dtype, dtype), ("device", self.device, device)]
+        if forward is not None:
+            checks.append(("forward", self.engine.get("forward", "eager"), forward))
+        for what, mine, theirs in checks:
             if mine != theirs:
                 found.append(f"{what} {mine!r} (engine runs {theirs!r})")
         return found
 
-    def matches(self, model: str, dtype: str, device: str) -> bool:
-        return not self.mismatches(model, dtype, device)
+    def matches(self, model: str, dtype: str, device: str, forward: str | None = None) -> bool:
+        return not self.mismatches(model, dtype, device, forward)
 
-    def ensure_matches(self, model: str, dtype: str, device: str) -> None:
-        """Refuse a profile measured for another model, dtype or device: its step rates would mislead."""
-        found = self.mismatches(model, dtype, device)
+    def ensure_matches(self, model: str, dtype: str, device: str, forward: str | None = None) -> None:
+        """Refuse a profile measured for another model, dtype, device or forward: its step rates
+        would mislead."""
+        found = self.mismatches(model, dtype, device, forward)
         if found:
             raise ProfileError(
                 f"refusing SPS profile {self.source}: it was measured for "

@@ -58,6 +58,23 @@ def test_a_profile_of_another_model_or_dtype_is_refused(
     assert replaced.model == mine.model and len(profiling_calls) == 2
 
 
+def test_a_profile_of_the_other_forward_is_refused_and_an_unmarked_one_is_eager(
+    engine, profiling_calls, tmp_path
+):
+    mine = acquire_profile(engine)
+    assert mine.engine["forward"] == "eager"
+    compiled = tmp_path / "compiled.json"
+    mine.model_copy(update={"engine": {**mine.engine, "forward": "compiled"}}).save(compiled)
+    with pytest.raises(ProfileError, match="forward 'compiled' \\(engine runs 'eager'\\)"):
+        acquire_profile(engine, str(compiled), strict=True)
+    unmarked = tmp_path / "unmarked.json"
+    mine.model_copy(update={"engine": {k: v for k, v in mine.engine.items() if k != "forward"}}).save(
+        unmarked
+    )
+    assert acquire_profile(engine, str(unmarked), strict=True).engine.get("forward") is None
+    assert len(profiling_calls) == 1
+
+
 @pytest.mark.parametrize(
     "content,problem",
     [

@@ -183,6 +183,9 @@ def test_default_profile_path(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     assert a.name.startswith("qwen3-4b-gguf__bfloat16__nvidia-h200__")
     assert a != b  # same file name, different model: different profiles
     assert a == default_profile_path("/models/a/Qwen3-4B.gguf", "bfloat16", "NVIDIA H200")
+    compiled = default_profile_path("/models/a/Qwen3-4B.gguf", "bfloat16", "AMD EPYC", "compiled")
+    assert compiled.name.startswith("qwen3-4b-gguf__bfloat16__amd-epyc__compiled__")
+    assert compiled != default_profile_path("/models/a/Qwen3-4B.gguf", "bfloat16", "AMD EPYC")
     monkeypatch.delenv("DSPARK_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert (

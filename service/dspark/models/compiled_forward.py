@@ -110,6 +110,11 @@ class CompiledForward:
             cache.free(slot)
 
 
+def forward_kind(forward: CompiledForward | DecoderModel) -> str:
+    """"compiled" or "eager": the two step at different rates, so an SPS profile records which."""
+    return "compiled" if isinstance(forward, CompiledForward) else "eager"
+
+
 def compiled_or_eager(
     model: DecoderModel, cache: KVCache, hidden_layers: tuple[int, ...], required: bool
 ) -> CompiledForward | DecoderModel:

@@ -9,6 +9,7 @@ import re
 import sys
 from pathlib import Path
 
+from dspark.models.compiled_forward import forward_kind
 from dspark.models.registry import dspark_home
 from dspark.profiling.device import current_device_name
 from dspark.sps_format import ProfileError, SpsProfile
@@ -16,20 +17,21 @@ from dspark.sps_format import ProfileError, SpsProfile
 log = logging.getLogger(__name__)
 
 
-def engine_identity(engine) -> tuple[str, str, str]:
-    """(model, dtype, device) as a profile records them."""
-    return engine.model_name, str(engine.dtype).removeprefix("torch."), current_device_name()
+def engine_identity(engine) -> tuple[str, str, str, str]:
+    """(model, dtype, device, forward) as a profile records them."""
+    dtype = str(engine.dtype).removeprefix("torch.")
+    return engine.model_name, dtype, current_device_name(), forward_kind(engine.runner.forward)
 
 
 def acquire_profile(engine, path: str | Path | None = None, strict: bool = False) -> SpsProfile:
     """Load the profile at `path` (or $DSPARK_SPS_PROFILE, or the cache) if it belongs to this
     engine; otherwise say why, then profile now and cache the result (strict: refuse instead)."""
-    model, dtype, device = engine_identity(engine)
-    cached = default_profile_path(model, dtype, device)
+    model, dtype, device, forward = engine_identity(engine)
+    cached = default_profile_path(model, dtype, device, forward)
     source = Path(path or os.environ.get("DSPARK_SPS_PROFILE") or cached)
     try:
         profile = SpsProfile.load(source)
-        profile.ensure_matches(model, dtype, device)
+        profile.ensure_matches(model, dtype, device, forward)
         profile.ensure_covers(engine.config.max_batch_tokens)
         log.info(
             "using SPS profile %s (%d points, measured %s)", source, len(profile.points), profile.created
@@ -42,7 +44,11 @@ def acquire_profile(engine, path: str | Path | None = None, strict: bool = False
             log.warning("%s; profiling this engine instead", e)
         else:
             log.info(
-                "no SPS profile for %s / %s / %s yet; profiling this engine (once)", model, dtype, device
+                "no SPS profile for %s / %s / %s / %s forward yet; profiling this engine (once)",
+                model,
+                dtype,
+                device,
+                forward,
             )
     profile = profile_with_progress(engine)
     profile.save(cached)
@@ -69,12 +75,15 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
-def default_profile_path(model: str, dtype: str, device: str) -> Path:
+def default_profile_path(model: str, dtype: str, device: str, forward: str = "eager") -> Path:
     """`$DSPARK_HOME/profiles/<slug>.json` (DSPARK_HOME defaults to ~/.cache/dspark).
 
-    The slug is readable (model basename, dtype, device) plus a short hash of the exact
-    triple, so two models with the same file name in different folders never share a profile.
+    The slug is readable (model basename, dtype, device, and "compiled" for a compiled forward)
+    plus a short hash of the exact identity, so two models with the same file name in different
+    folders never share a profile.
     """
-    digest = hashlib.sha256(f"{model}\0{dtype}\0{device}".encode()).hexdigest()[:8]
+    identity = f"{model}\0{dtype}\0{device}" + ("" if forward == "eager" else f"\0{forward}")
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:8]
     name = _slug(Path(model.rstrip("/")).name or model)[:60] or "model"
-    return dspark_home() / "profiles" / f"{name}__{_slug(dtype)}__{_slug(device)[:40]}__{digest}.json"
+    kind = "" if forward == "eager" else f"__{forward}"
+    return dspark_home() / "profiles" / f"{name}__{_slug(dtype)}__{_slug(device)[:40]}{kind}__{digest}.json"

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from dspark.models.compiled_forward import forward_kind
 from dspark.models.forward_batch import ForwardBatch
 from dspark.profiling.device import current_device_name
 from dspark.profiling.grid import default_grid
@@ -122,6 +123,7 @@ def profile_engine(
             "context_len": context_len,
             "tokens_per_request": TOKENS_PER_REQUEST,
             "threads": torch.get_num_threads(),
+            "forward": forward_kind(engine.runner.forward),
         },
         points=points,
     )
