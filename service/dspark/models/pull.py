@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -47,10 +48,17 @@ def pull_model(name: str, *, force: bool = False, progress: bool = True) -> Path
     out = model_cache_dir(name)
     if (out / READY_MARKER).is_file() and not force:
         return out
-    with tempfile.TemporaryDirectory(prefix="dspark-pull-") as tmp:
-        gguf = _download_gguf(spec, Path(tmp), progress)
-        _verify_sha256(gguf, spec.sha256, progress)
-        _convert_gguf(gguf, out, spec)
+    # Processes that start together (replicas on one node, test workers) pull once: the others
+    # wait here, then find the marker.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / READY_MARKER).is_file() and not force:
+            return out
+        with tempfile.TemporaryDirectory(prefix="dspark-pull-") as tmp:
+            gguf = _download_gguf(spec, Path(tmp), progress)
+            _verify_sha256(gguf, spec.sha256, progress)
+            _convert_gguf(gguf, out, spec)
     return out
 
 
