@@ -21,9 +21,13 @@ serve: setup
 run: setup
 	$(VENV)/bin/dspark generate --drafter ngram "Write a Python function that checks whether a number is prime."
 
+# Two workers, each file on one of them (its module fixtures load once); each worker takes half
+# the intra-op threads (tests/conftest.py).
+TEST_WORKERS ?= 2
+
 test: setup
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -19,6 +19,10 @@ from transformers import (
 # Engines here run the eager forward unless a test asks for `compile`: inductor takes about a
 # minute per process. `DSPARK_COMPILE=1 make test` runs the whole suite compiled.
 os.environ.setdefault("DSPARK_COMPILE", "0")
+# pytest-xdist's workers share the cores: each takes its share of intra-op threads, or two
+# OpenMP pools spin against each other.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 TINY = dict(
     vocab_size=64,
