@@ -111,7 +111,7 @@ class CompiledForward:
 
 
 def forward_kind(forward: CompiledForward | DecoderModel) -> str:
-    """"compiled" or "eager": the two step at different rates, so an SPS profile records which."""
+    """Whether `forward` is "compiled" or "eager": the two step at different rates."""
     return "compiled" if isinstance(forward, CompiledForward) else "eager"
 
 
