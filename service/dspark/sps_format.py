@@ -171,22 +171,24 @@ class SpsProfile(BaseModel):
 
     # -- does it belong to this engine? --------------------------------------------------------
 
-    def mismatches(self, model: str, dtype: str, device: str, forward: str | None = None) -> list[str]:
-        """What differs from the engine; `forward` ("compiled" or "eager") is checked when given, and
-        a profile that does not record it was measured eagerly."""
+    def mismatches(self, model: str, dtype: str, device: str, forward: str = "eager") -> list[str]:
+        """What differs from the engine. `forward` is "compiled" or "eager"; a profile that does not
+        record it was measured eagerly."""
         found = []
-        checks = [("model", self.model, model), ("dtype", self.dtype, dtype), ("device", self.device, device)]
-        if forward is not None:
-            checks.append(("forward", self.engine.get("forward", "eager"), forward))
-        for what, mine, theirs in checks:
+        for what, mine, theirs in (
+            ("model", self.model, model),
+            ("dtype", self.dtype, dtype),
+            ("device", self.device, device),
+            ("forward", self.engine.get("forward", "eager"), forward),
+        ):
             if mine != theirs:
                 found.append(f"{what} {mine!r} (engine runs {theirs!r})")
         return found
 
-    def matches(self, model: str, dtype: str, device: str, forward: str | None = None) -> bool:
+    def matches(self, model: str, dtype: str, device: str, forward: str = "eager") -> bool:
         return not self.mismatches(model, dtype, device, forward)
 
-    def ensure_matches(self, model: str, dtype: str, device: str, forward: str | None = None) -> None:
+    def ensure_matches(self, model: str, dtype: str, device: str, forward: str = "eager") -> None:
         """Refuse a profile measured for another model, dtype, device or forward: its step rates
         would mislead."""
         found = self.mismatches(model, dtype, device, forward)
