@@ -13,6 +13,8 @@
 #   ADD_SHARDS (16 shards of 512 prompts, about 2M response tokens), GEN_BATCH (1024), GEN_TIMEOUT (300 s),
 #   CONFIGS (configs/train/smollm2-135m-KIND.yaml: KIND is replaced), KINDS (dspark dflash eagle3),
 #   STEPS (1200 per drafter), POINTS (4), SEQUENCES (sequences per step; the configs' own), WARM_START (none),
+#   TRAIN_SECONDS (unset; when set, STEPS is what fits this many seconds of the first drafter's training,
+#   timed over its first 2 x CHECKPOINT_EVERY steps, and all drafters train that many), CHECKPOINT_EVERY (25),
 #   TRAIN_TIMEOUT (240 s per drafter), EVAL_PROMPTS (8 per domain), EVAL_TOKENS (128), EVAL_TIMEOUT (300 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,8 +31,9 @@ CONFIGS=${CONFIGS:-configs/train/smollm2-135m-KIND.yaml}
 KINDS=${KINDS:-dspark dflash eagle3}
 STEPS=${STEPS:-1200}
 POINTS=${POINTS:-4}
+CHECKPOINT_EVERY=${CHECKPOINT_EVERY:-25}
 EVERY=$(( (STEPS + POINTS - 1) / POINTS ))
-export OUT DEVICE CORPUS STEPS EVERY
+export OUT DEVICE CORPUS STEPS CHECKPOINT_EVERY
 if [ -z "${DSPARK_SKIP_INSTALL:-}" ]; then
   python3 -m venv .venv-gpu && . .venv-gpu/bin/activate
   # train: the prompt sources the corpus order is built from; MT-Bench (--no-deps, as the Makefile
@@ -55,7 +58,6 @@ done
 echo "new shards: $(ls "$OUT/shards" | grep -c json)" | tee -a "$LOG"
 
 for kind in $KINDS; do
-  step train $kind
   python3 - "$kind" "${CONFIGS//KIND/$kind}" <<'EOF' 2>&1 | tee -a "$LOG"
 import os, sys
 from pathlib import Path
@@ -68,15 +70,41 @@ cfg.update(data_dir=str(out / "data"), out_dir=str(out / "train" / kind), device
 if os.environ.get("TARGET"):
     cfg["target"] = os.environ["TARGET"]
 cfg["data"]["corpus"] = [os.environ["CORPUS"]]
-cfg["optim"].update(max_steps=int(os.environ["STEPS"]), checkpoint_every=int(os.environ["EVERY"]))
+cfg["optim"].update(max_steps=int(os.environ["STEPS"]), checkpoint_every=int(os.environ["CHECKPOINT_EVERY"]))
 if os.environ.get("SEQUENCES"):
     cfg["optim"]["sequences_per_step"] = int(os.environ["SEQUENCES"])
 (out / "configs").mkdir(exist_ok=True)
 (out / "configs" / f"{kind}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
 print(f"config {out / 'configs' / f'{kind}.yaml'} from {base}")
 EOF
-  timeout "${TRAIN_TIMEOUT:-240}" dspark train "$OUT/configs/$kind.yaml" --export-every "$EVERY" --no-progress 2>&1 \
-    | grep -v '^INFO' | tail -3 | tee -a "$LOG"
+done
+
+first=${KINDS%% *}
+if [ -n "${TRAIN_SECONDS:-}" ]; then
+  probe=$(( 2 * CHECKPOINT_EVERY ))
+  step probe: $first, $probe steps for a budget of $TRAIN_SECONDS s per drafter
+  # Its own out_dir: the drafters' runs all start from step 0 and export at every point.
+  python3 -c "import sys, yaml; c = yaml.safe_load(open(sys.argv[1])); c['out_dir'] = sys.argv[2]; \
+print(yaml.safe_dump(c, sort_keys=False))" "$OUT/configs/$first.yaml" "$OUT/probe" > "$OUT/configs/probe.yaml"
+  timeout "${TRAIN_TIMEOUT:-240}" dspark train run "$OUT/configs/probe.yaml" --stop-after "$probe" --no-progress 2>&1 \
+    | grep -v '^INFO' | tail -2 | tee -a "$LOG"
+  # The second checkpoint interval alone: the first pays for warm-up (allocator, kernels).
+  STEPS=$(python3 - "$OUT/probe/log.jsonl" "$TRAIN_SECONDS" "$CHECKPOINT_EVERY" "$probe" "$POINTS" <<'EOF'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+seconds, interval, probe, points = float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+per_step = (rows[-1]["elapsed_s"] - rows[-2]["elapsed_s"]) / interval
+print(max(probe, int(seconds / max(per_step, 1e-3)) // points * points))
+EOF
+  ) || { echo "probe failed: no step time in $OUT/probe/log.jsonl" | tee -a "$LOG"; exit 1; }
+  EVERY=$(( (STEPS + POINTS - 1) / POINTS ))
+  echo "steps per drafter: $STEPS, a point every $EVERY" | tee -a "$LOG"
+fi
+
+for kind in $KINDS; do
+  step train $kind
+  timeout "${TRAIN_TIMEOUT:-240}" dspark train run "$OUT/configs/$kind.yaml" --max-steps "$STEPS" --export-every "$EVERY" \
+    --no-progress 2>&1 | grep -v '^INFO' | tail -3 | tee -a "$LOG"
   tail -1 "$OUT/train/$kind/log.jsonl" 2>/dev/null | tee -a "$LOG"
 done
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -72,7 +73,9 @@ def test_gpu_train_script_runs_end_to_end_on_the_cpu(tmp_path, smollm_dir):
         "ADD_SHARDS": "2",
         "GEN_BATCH": "8",
         "CONFIGS": _configs(tmp_path, target),
-        "STEPS": "4",
+        # The time budget: STEPS comes from the first drafter's probe of 2 x CHECKPOINT_EVERY steps.
+        "TRAIN_SECONDS": "1",
+        "CHECKPOINT_EVERY": "1",
         "POINTS": "2",
         "EVAL_PROMPTS": "1",
         "EVAL_TOKENS": "16",
@@ -83,6 +86,8 @@ def test_gpu_train_script_runs_end_to_end_on_the_cpu(tmp_path, smollm_dir):
     log = (out / "log.txt").read_text() if (out / "log.txt").is_file() else ""
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "== done" in log, log
+    steps = int(re.search(r"steps per drafter: (\d+), a point every (\d+)", log).group(1))
+    assert steps >= 2 and steps % 2 == 0  # at least the probe, a whole number of points
 
     assert sorted(p.name for p in (out / "shards").iterdir()) == [
         f"shard-0000{i}.{ext}" for i in (0, 1) for ext in ("bin", "json")
@@ -90,18 +95,18 @@ def test_gpu_train_script_runs_end_to_end_on_the_cpu(tmp_path, smollm_dir):
     for kind in ("dspark", "dflash", "eagle3"):
         train = out / "train" / kind
         assert (train / "final" / "model.safetensors").is_file() and (train / "state.pt").is_file()
-        assert sorted(p.name for p in train.glob("step-*")) == ["step-000002", "step-000004"]
+        assert sorted(p.name for p in train.glob("step-*")) == [f"step-{s:06d}" for s in (steps // 2, steps)]
         info = json.loads((train / "final" / "training.json").read_text())
-        assert info["steps"] == 4 and info["features"] == "online" and info["warm_start"] is None
+        assert info["steps"] == steps and info["features"] == "online" and info["warm_start"] is None
 
     curves = json.loads((out / "learning_curve.json").read_text())
     points = curves["points"]
     assert {(p["kind"], p["temperature"], p["step"]) for p in points} == {
-        (k, t, s) for k in ("dspark", "dflash", "eagle3") for t in (0.0, 1.0) for s in (2, 4)
+        (k, t, s) for k in ("dspark", "dflash", "eagle3") for t in (0.0, 1.0) for s in (steps // 2, steps)
     }
     assert all(p["gamma"] == 7 and 1.0 <= p["macro_tau"] <= 8.0 for p in points)
     tokens = {p["step"]: p["tokens"] for p in points}
-    assert 0 < tokens[2] < tokens[4]  # the same data for the three drafters: one x per step
+    assert 0 < tokens[steps // 2] < tokens[steps]  # the same data for the three drafters: one x per step
     assert len({(p["step"], p["tokens"]) for p in points}) == 2
     assert len(curves["last_point_conditional_acceptance"]) == 6
     assert (out / "learning_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
