@@ -10,49 +10,63 @@ from dspark.models.packed_linear import PackedLinear, can_pack, pack_linears
 from torch import nn
 
 CPU = torch.device("cpu")
-needs_bf16 = pytest.mark.skipif(
-    not can_pack(CPU, torch.bfloat16), reason="this CPU has no native bf16 (oneDNN packing is not used)"
-)
+NATIVE_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+needs_bf16 = pytest.mark.skipif(not NATIVE_BF16, reason="this CPU has no native bf16 (bf16 is not packed)")
+# fp32 packs on every CPU with oneDNN; bf16 only where the CPU computes it natively.
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16", marks=needs_bf16)]
 
 
-def test_packing_is_only_chosen_for_bf16_on_the_cpu():
-    assert not can_pack(CPU, torch.float32)
+def unpack(model: nn.Module) -> nn.Module:
+    """The same model on F.linear: the reference a packed model is compared with."""
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            m.__class__ = nn.Linear
+    return model
+
+
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def test_packing_is_chosen_for_fp32_everywhere_and_bf16_where_native():
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+    assert can_pack(CPU, torch.float32)
+    assert can_pack(CPU, torch.bfloat16) == NATIVE_BF16
+    assert not can_pack(CPU, torch.float16)
     assert not can_pack(torch.device("cuda"), torch.bfloat16)
+    assert not can_pack(torch.device("cuda"), torch.float32)
 
 
-@needs_bf16
-def test_packed_linear_equals_f_linear_at_every_shape():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_linear_equals_f_linear_at_every_shape(dtype):
     torch.manual_seed(0)
-    layer = nn.Linear(96, 160, bias=True).to(torch.bfloat16)
-    x = torch.randn(7, 5, 96, dtype=torch.bfloat16)
+    layer = nn.Linear(96, 160, bias=True).to(dtype)
+    x = torch.randn(7, 5, 96, dtype=dtype)
     with torch.inference_mode():
         expected = [layer(x), layer(x[0]), layer(x[:, :1]), layer(x.transpose(0, 1))]
         assert pack_linears(layer) == 1
         assert isinstance(layer, PackedLinear)
         got = [layer(x), layer(x[0]), layer(x[:, :1]), layer(x.transpose(0, 1))]
     for e, g in zip(expected, got, strict=True):
-        torch.testing.assert_close(g, e, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(g, e, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
-@needs_bf16
-def test_packed_linear_trains_through_its_weight():
-    layer = nn.Linear(8, 4).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_linear_trains_through_its_weight(dtype):
+    layer = nn.Linear(8, 4).to(dtype)
     pack_linears(layer)
-    layer(torch.ones(2, 8, dtype=torch.bfloat16)).sum().backward()
+    layer(torch.ones(2, 8, dtype=dtype)).sum().backward()
     assert layer.weight.grad is not None
 
 
-@needs_bf16
-def test_bf16_target_is_packed_and_keeps_its_logits(tiny_dirs):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_target_is_packed_and_keeps_its_logits(tiny_dirs, dtype):
     from tests.models.test_transformer_matches_hf import forward
 
     path = tiny_dirs["llama"]
-    packed = load_target_model(path, torch.bfloat16, CPU)
+    packed = load_target_model(path, dtype, CPU)
     assert any(isinstance(m, PackedLinear) for m in packed.modules())
-    plain = load_target_model(path, torch.bfloat16, CPU)
-    for m in plain.modules():
-        if isinstance(m, PackedLinear):
-            m.__class__ = nn.Linear
+    plain = unpack(load_target_model(path, dtype, CPU))
     c = packed.config
     ids = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(3)).tolist()
     logits = []
@@ -63,9 +77,10 @@ def test_bf16_target_is_packed_and_keeps_its_logits(tiny_dirs):
             64,
             c.num_key_value_heads,
             c.hidden_size // c.num_attention_heads,
-            torch.bfloat16,
+            dtype,
             CPU,
         )
         logits.append(forward(model, cache, [(1, 0, ids)])[0])
-    torch.testing.assert_close(logits[0], logits[1], atol=5e-2, rtol=5e-2)
+    tolerance = 5 * TOLERANCE[dtype]
+    torch.testing.assert_close(logits[0], logits[1], atol=tolerance, rtol=tolerance)
     assert torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))

@@ -117,14 +117,23 @@ def test_rollback_overwrites_rejected_positions(tiny_dirs):
 
 
 def test_smollm2_logits_match_hf(smollm_dir):
-    model = load_target_model(smollm_dir, torch.float32, CPU)
+    """The decoder's math on F.linear to 1e-4; the oneDNN-packed matmuls the CPU serves with
+    reassociate sums, which a wider bound and the same greedy tokens cover."""
+    from tests.models.test_packed_linear import unpack
+
+    packed = load_target_model(smollm_dir, torch.float32, CPU)
     hf = AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32).eval()
     ids = torch.randint(0, 49152, (24,), generator=torch.Generator().manual_seed(3)).tolist()
     ref = hf_logits(hf, ids)
-    cache = new_cache(model, slots=1)
-    got = torch.cat(
-        [forward(model, cache, [(0, 0, ids[:16])])[0], forward(model, cache, [(0, 16, ids[16:])])[0]]
-    )
-    err = (got - ref).abs().max().item()
-    print(f"SmolLM2-135M fp32 max abs logit error vs transformers: {err:.2e}")
-    assert err <= 1e-4
+    errors = {}
+    plain = unpack(load_target_model(smollm_dir, torch.float32, CPU))
+    for name, model in (("packed", packed), ("F.linear", plain)):
+        cache = new_cache(model, slots=1)
+        got = torch.cat(
+            [forward(model, cache, [(0, 0, ids[:16])])[0], forward(model, cache, [(0, 16, ids[16:])])[0]]
+        )
+        errors[name] = (got - ref).abs().max().item()
+        print(f"SmolLM2-135M fp32 ({name}) max abs logit error vs transformers: {errors[name]:.2e}")
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    assert errors["F.linear"] <= 1e-4
+    assert errors["packed"] <= 5e-4
