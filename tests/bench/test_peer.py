@@ -220,3 +220,26 @@ def test_the_cpu_table_gives_ms_per_token_by_role_and_cores_busy():
     table = format_cpu_table(run)
     assert "| system | users | engine | proxy | client | total ms/token | cores busy |" in table
     assert "| dspark-plain | 16 | 4.50 | 0.40 | 0.10 | 5.00 | 1.00 |" in table
+
+
+@pytest.mark.parametrize(("native_bf16", "expected"), [(True, "bfloat16"), (False, "float32")])
+def test_the_default_dtype_is_the_engines_choice_on_this_cpu(monkeypatch, tmp_path, native_bf16, expected):
+    """Without native bf16 the engine serves fp32, so the peers must be compared in fp32 too."""
+    from dspark.bench import peer
+    from dspark.engine import config
+    from dspark.models import pull
+
+    seen = []
+
+    def run(names, model_dir, levels, requests, max_tokens, rounds, dtype, *args, **kwargs):
+        seen.append(dtype)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: native_bf16)
+    monkeypatch.setattr(pull, "resolve_target", lambda name: tmp_path)
+    monkeypatch.setattr(peer, "run_peer_bench", run)
+    args = ["bench", "peer", "--systems", "dspark-plain", "--output-dir", str(tmp_path / "out")]
+    CliRunner().invoke(main, args)
+    assert seen == [expected]
+    CliRunner().invoke(main, [*args, "--dtype", "bfloat16"])
+    assert seen[-1] == "bfloat16"

@@ -350,7 +350,13 @@ def _csv(text: str) -> list[str]:
 )
 @click.option("--max-tokens", type=int, default=128, show_default=True)
 @click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True)
-@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "bfloat16", "float32"]),
+    default="auto",
+    show_default=True,
+    help="Both servers' dtype; auto: the engine's choice on this CPU (bf16 only where it is native).",
+)
 @click.option(
     "--output-dir", type=click.Path(path_type=Path), default=Path("runs/bench-peer"), show_default=True
 )
@@ -358,8 +364,14 @@ def peer(vllm_python, systems, levels, requests_per_user, max_tokens, rounds, dt
     """This server against vLLM: the same model files, prompts and closed-loop client on loopback."""
     import json
 
+    import torch
+
     from dspark.bench.peer import SYSTEMS, format_cpu_table, format_table, plot_frontier, run_peer_bench
+    from dspark.engine.config import resolve_dtype
     from dspark.models.pull import resolve_target
+
+    # One concrete dtype for every system: vLLM's own "auto" would take the checkpoint's.
+    dtype = str(resolve_dtype(dtype, torch.device("cpu"))).removeprefix("torch.")
 
     names = [s.strip() for s in systems.split(",") if s.strip()]
     unknown = [s for s in names if s not in SYSTEMS]
