@@ -15,7 +15,8 @@
 #   STEPS (1200 per drafter), POINTS (4), SEQUENCES (sequences per step; the configs' own), WARM_START (none),
 #   TRAIN_SECONDS (unset; when set, STEPS is what fits this many seconds of the first drafter's training,
 #   timed over its first 2 x CHECKPOINT_EVERY steps, and all drafters train that many), CHECKPOINT_EVERY (25),
-#   TRAIN_TIMEOUT (240 s per drafter), EVAL_PROMPTS (8 per domain), EVAL_TOKENS (128), EVAL_TIMEOUT (300 s).
+#   FEATURE_TOKENS (32768: tokens per online target forward), TRAIN_TIMEOUT (240 s per drafter),
+#   EVAL_PROMPTS (8 per domain), EVAL_TOKENS (128), EVAL_SEQS (32 requests per batch), EVAL_TIMEOUT (300 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu-train}
@@ -33,7 +34,8 @@ STEPS=${STEPS:-1200}
 POINTS=${POINTS:-4}
 CHECKPOINT_EVERY=${CHECKPOINT_EVERY:-25}
 EVERY=$(( (STEPS + POINTS - 1) / POINTS ))
-export OUT DEVICE CORPUS STEPS CHECKPOINT_EVERY
+FEATURE_TOKENS=${FEATURE_TOKENS:-32768}
+export OUT DEVICE CORPUS STEPS CHECKPOINT_EVERY FEATURE_TOKENS
 if [ -z "${DSPARK_SKIP_INSTALL:-}" ]; then
   python3 -m venv .venv-gpu && . .venv-gpu/bin/activate
   # train: the prompt sources the corpus order is built from; MT-Bench (--no-deps, as the Makefile
@@ -69,7 +71,7 @@ cfg.update(data_dir=str(out / "data"), out_dir=str(out / "train" / kind), device
            features="online", warm_start=os.environ.get("WARM_START", "none"))
 if os.environ.get("TARGET"):
     cfg["target"] = os.environ["TARGET"]
-cfg["data"]["corpus"] = [os.environ["CORPUS"]]
+cfg["data"].update(corpus=[os.environ["CORPUS"]], feature_batch_tokens=int(os.environ["FEATURE_TOKENS"]))
 cfg["optim"].update(max_steps=int(os.environ["STEPS"]), checkpoint_every=int(os.environ["CHECKPOINT_EVERY"]))
 if os.environ.get("SEQUENCES"):
     cfg["optim"]["sequences_per_step"] = int(os.environ["SEQUENCES"])
@@ -118,7 +120,7 @@ done
 step acceptance: $(echo "${drafters%,}" | tr ',' '\n' | grep -c .) drafters
 # One process for every point: the engine and the bench prompts load once.
 timeout "${EVAL_TIMEOUT:-300}" dspark bench acceptance --target "$target" --drafters "${drafters%,}" --gammas 7 \
-  --temperatures 0,1.0 --num-prompts "${EVAL_PROMPTS:-8}" --max-tokens "${EVAL_TOKENS:-128}" --max-num-seqs 64 \
+  --temperatures 0,1.0 --num-prompts "${EVAL_PROMPTS:-8}" --max-tokens "${EVAL_TOKENS:-128}" --max-num-seqs "${EVAL_SEQS:-32}" \
   --device "$DEVICE" --output-dir "$OUT/acceptance" 2>&1 | grep -i 'error' | tail -8 | tee -a "$LOG"
 
 step learning curve

@@ -4,7 +4,8 @@ Nothing is stored: a training sequence holds only its token ids, and the sequenc
 get their feature layers and final normed hidden state from one no-grad target forward right
 before packing. The results are rounded to bf16 as the cached shards store them, so an online
 batch equals the cached batch of the same samples up to the rounding of the forward itself
-(padding and batch composition differ).
+(padding and batch composition differ). They stay on the target's device, where packing and
+the drafter's step use them: a round trip through host memory made GPU training host-bound.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class OnlineFeatures:
                     else None
                 )
                 filled[i] = dataclasses.replace(
-                    seq, features=feats.to(STORED_DTYPE).cpu(), last=last.cpu(), log_norm=norm
+                    seq, features=feats.to(STORED_DTYPE), last=last, log_norm=norm
                 )
         return [_normal(s) for s in filled]
 

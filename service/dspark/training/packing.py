@@ -62,16 +62,19 @@ def pack(
     ctx_lens = [int(a.max()) if len(a) else 0 for a in anchors]
     width = max(1, max(ctx_lens))
     feat_dim, hidden = sequences[0].features.shape[-1], sequences[0].last.shape[-1]
-    ctx_features = torch.zeros(n_seq, width, feat_dim, dtype=sequences[0].features.dtype)
+    # Token-level tensors are built on the host; the features stay where they are (the target's
+    # device when computed online), gathered there with one index copy per sequence.
+    device = sequences[0].features.device
+    ctx_features = torch.zeros(n_seq, width, feat_dim, dtype=sequences[0].features.dtype, device=device)
     ctx_tokens = torch.zeros(n_seq, width + 1, dtype=torch.long)
     anchor_pos = torch.zeros(n_seq, n_anchor, dtype=torch.long)
     anchor_tokens = torch.zeros(n_seq, n_anchor, dtype=torch.long)
     labels = torch.zeros(n_seq, n_anchor, gamma, dtype=torch.long)
     valid = torch.zeros(n_seq, n_anchor, gamma, dtype=torch.bool)
-    target_last = torch.zeros(n_seq, n_anchor, gamma, hidden, dtype=sequences[0].last.dtype)
+    target_last = torch.zeros(n_seq, n_anchor, gamma, hidden, dtype=sequences[0].last.dtype, device=device)
     offsets = torch.arange(gamma)
     with_norm = all(seq.log_norm is not None for seq in sequences)
-    log_norm = torch.zeros(n_seq, n_anchor, gamma) if with_norm else None
+    log_norm = torch.zeros(n_seq, n_anchor, gamma, device=device) if with_norm else None
     for s, (seq, pos) in enumerate(zip(sequences, anchors, strict=True)):
         length = len(seq.tokens)
         c = ctx_lens[s]
@@ -86,10 +89,11 @@ def pack(
         ok = targets < length
         labels[s, :a] = torch.where(ok, seq.tokens[targets.clamp(max=length - 1)], 0)
         valid[s, :a] = ok
-        rows = (targets - 1).clamp(max=length - 1)
-        target_last[s, :a] = seq.last[rows] * ok[..., None]
+        rows = (targets - 1).clamp(max=length - 1).to(device)
+        ok_here = ok.to(device)
+        target_last[s, :a] = seq.last[rows] * ok_here[..., None]
         if log_norm is not None:
-            log_norm[s, :a] = seq.log_norm[rows] * ok
+            log_norm[s, :a] = seq.log_norm[rows] * ok_here
     return PackedBatch(
         ctx_features,
         ctx_tokens,
