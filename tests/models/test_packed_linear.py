@@ -39,10 +39,12 @@ def test_packed_linear_equals_f_linear_at_every_shape(dtype):
     layer = nn.Linear(96, 160, bias=True).to(dtype)
     x = torch.randn(7, 5, 96, dtype=dtype)
     with torch.inference_mode():
-        expected = [layer(x), layer(x[0]), layer(x[:, :1]), layer(x.transpose(0, 1))]
+        # Shapes of many rows (the packed kernel), and of one row (the dense copy).
+        inputs = [x, x[0], x[:, :1], x.transpose(0, 1), x[0, :1], x[0, 0], x[:1, :1]]
+        expected = [layer(i) for i in inputs]
         assert pack_linears(layer) == 1
         assert isinstance(layer, PackedLinear)
-        got = [layer(x), layer(x[0]), layer(x[:, :1]), layer(x.transpose(0, 1))]
+        got = [layer(i) for i in inputs]
     for e, g in zip(expected, got, strict=True):
         torch.testing.assert_close(g, e, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
