@@ -59,10 +59,12 @@ def _verify_decodes(
             nexts = sample(target_probs(row_logits, sampling, processed)[:, 0], sampling.generators)
         return [0] * len(decodes), nexts.tolist()
     host_lengths = _verify_lengths(decodes, draft)
-    lengths = torch.tensor(host_lengths, device=device)
     if greedy:
+        # Every row verifying the whole width (the `full` policy) needs no budget mask.
+        lengths = None if min(host_lengths) == width else torch.tensor(host_lengths, device=device)
         result = verify_greedy(tokens, target_argmax(row_logits, processed), lengths)
     else:
+        lengths = torch.tensor(host_lengths, device=device)
         probs = draft.block.probs[:, :width] if draft.block.probs is not None else None
         target = target_probs(row_logits, sampling, processed)
         result = verify_draft_tokens(tokens, probs, target, lengths, sampling.generators, host_lengths)
