@@ -56,7 +56,7 @@ class DSparkDrafter(ContextDrafter):
     def use_static_shapes(self, batch_buckets: tuple[int, ...], max_context: int) -> None:
         if self.static is not None and self.static.shape == (tuple(sorted(batch_buckets)), max_context):
             return  # engines over one drafter (siblings) share its graphs
-        self.static = StaticBlockHidden(self.model, batch_buckets, max_context)
+        self.static = StaticBlockHidden(self.model, batch_buckets, max_context, self._greedy_block)
         self.static.capture()
 
     def _write(self, chunk: CommittedChunk) -> None:
@@ -71,8 +71,12 @@ class DSparkDrafter(ContextDrafter):
         rows = torch.tensor(self.store.rows([r.request_id for r in requests]), device=self.device)
         ctx_kv = self.store.read("kv", rows, max(lengths))
         anchors = [r.last_token_id for r in requests]
-        anchor = torch.tensor(anchors, device=self.device)
         bucket = self.static.bucket(len(requests), max(lengths)) if self.static is not None else None
+        if bucket is not None and sampling.all_greedy:  # sampling replays too; the horizon is cut after
+            tokens, confidences = self.static.run_greedy(bucket, anchors, lengths, ctx_kv)
+            cut = confidences[:, :horizon] if confidences is not None else None
+            return DraftBlock(tokens[:, :horizon], None, cut)
+        anchor = torch.tensor(anchors, device=self.device)
         if bucket is not None:  # every position of the block; the horizon is cut after
             hidden = self.static.run(bucket, anchors, lengths, ctx_kv)[:, :horizon]
         else:
@@ -81,6 +85,18 @@ class DSparkDrafter(ContextDrafter):
             hidden = self.model.block_hidden(anchor, ctx_len, ctx_kv, ctx_mask, horizon)
         tokens, probs, conf_logits = sample_block(self.model, hidden, anchor, sampling, self.vocab)
         return DraftBlock(tokens, probs, self._confidences(conf_logits, sampling.temperature))
+
+    def _greedy_block(
+        self, hidden: torch.Tensor, anchor: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Greedy tokens and confidences of every block position, on device tensors alone (what
+        `StaticBlockHidden` replays): `sample_block` and `_confidences` of an all-greedy batch."""
+        zeros = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        greedy = SamplingTensors(
+            zeros, zeros.long(), zeros + 1, zeros, [None] * hidden.shape[0], all_greedy=True
+        )
+        tokens, _, conf_logits = sample_block(self.model, hidden, anchor, greedy, self.vocab)
+        return tokens, self._confidences(conf_logits, zeros)
 
     def _confidences(self, logits: torch.Tensor | None, temperature: torch.Tensor) -> torch.Tensor | None:
         """Calibrated c_k [R, n]: each row by the map for its sampling temperature (greedy or not)."""

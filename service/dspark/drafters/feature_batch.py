@@ -48,11 +48,8 @@ def gather_commit(
     if not chunks:
         return None
     device = store.device
-    return CommittedChunk(
-        torch.cat(chunks).to(device),
-        torch.tensor(rows, device=device),
-        torch.tensor(positions, device=device),
-    )
+    where = torch.tensor([rows, positions], device=device)  # one host-to-device copy for both
+    return CommittedChunk(torch.cat(chunks).to(device), where[0], where[1])
 
 
 class PendingCommits:
@@ -87,6 +84,8 @@ class PendingCommits:
         self._chunks, self._released, self.num_tokens = [], [], 0
         if not chunks:
             return None
+        if len(chunks) == 1 and not released:  # the usual drafted step: nothing to merge or drop
+            return chunks[0]
         merged = CommittedChunk(
             torch.cat([c.features for c in chunks]),
             torch.cat([c.rows for c in chunks]),

@@ -2,11 +2,15 @@
 
 The context K/V is gathered from the paged store eagerly (its pools grow, so their addresses do
 not stay put) into one static buffer; the backbone pass over it is what a CUDA graph replays.
-Padding rows have no context and anchor 0; their outputs are dropped. Sampling stays eager:
-per-request generators do not replay.
+Padding rows have no context and anchor 0; their outputs are dropped. An all-greedy batch also
+replays its block sampling (argmax through the sequential head, and the confidences), a few
+dozen small kernels a step otherwise; sampled batches sample eagerly: per-request generators do
+not replay.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -14,11 +18,21 @@ from dspark.drafters.dspark_model import DSparkModel
 from dspark.models.cuda_graphs import GraphSet, check_graph_memory, free_device_memory
 from dspark.models.static_batch import bucket_for
 
+# hidden [R, G, d], anchor [R] -> greedy tokens [R, G] and confidences [R, G] (or None)
+GreedyBlock = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
+
 
 class StaticBlockHidden:
-    def __init__(self, model: DSparkModel, batch_buckets: tuple[int, ...], max_context: int) -> None:
+    def __init__(
+        self,
+        model: DSparkModel,
+        batch_buckets: tuple[int, ...],
+        max_context: int,
+        greedy_block: GreedyBlock | None = None,
+    ) -> None:
         weight = model.fc.weight
         self.model, self.device = model, weight.device
+        self.greedy_block = greedy_block
         self.batch_buckets, self.max_context = tuple(sorted(batch_buckets)), max_context
         rows = self.batch_buckets[-1]
         with torch.inference_mode():  # the drafter proposes in inference mode
@@ -43,7 +57,8 @@ class StaticBlockHidden:
         scores = rows * attn.num_heads * block * keys * 4
         mlp = 3 * rows * block * model.config.layers.intermediate_size * itemsize
         stream = 8 * rows * block * model.config.hidden_size * itemsize
-        return self.ctx_kv.numel() * itemsize + concat + scores + mlp + stream + rows * keys
+        sampling = rows * block * model.config.vocab_size * (itemsize + 4) if self.greedy_block else 0
+        return self.ctx_kv.numel() * itemsize + concat + scores + mlp + stream + rows * keys + sampling
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -54,6 +69,8 @@ class StaticBlockHidden:
         self.meta.zero_()
         for rows in reversed(self.batch_buckets):
             self.graphs.capture(rows, lambda rows=rows: self._forward(rows))
+            if self.greedy_block is not None:
+                self.graphs.capture((rows, "greedy"), lambda rows=rows: self._greedy(rows))
 
     def bucket(self, num_requests: int, max_length: int) -> int | None:
         """The batch bucket, or None when the batch or a context does not fit (run eagerly)."""
@@ -62,10 +79,27 @@ class StaticBlockHidden:
     @torch.inference_mode()
     def run(self, rows: int, anchors: list[int], lengths: list[int], ctx_kv: torch.Tensor) -> torch.Tensor:
         """ctx_kv [R, C, *kv_shape] of R requests -> hidden states [R, block positions, d] (a copy)."""
+        n = self._load(rows, anchors, lengths, ctx_kv)
+        return self.graphs.run(rows, lambda: self._forward(rows))[:n].clone()
+
+    @torch.inference_mode()
+    def run_greedy(
+        self, rows: int, anchors: list[int], lengths: list[int], ctx_kv: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`run`, then `greedy_block` over every block position: tokens [R, G] and confidences
+        [R, G] (or None). Views of the graph's outputs: the caller reads them before the next replay."""
+        n = self._load(rows, anchors, lengths, ctx_kv)
+        tokens, confidences = self.graphs.run((rows, "greedy"), lambda: self._greedy(rows))
+        return tokens[:n], confidences[:n] if confidences is not None else None
+
+    def _load(self, rows: int, anchors: list[int], lengths: list[int], ctx_kv: torch.Tensor) -> int:
         n, pad = len(anchors), [0] * (rows - len(anchors))
         self.meta[:, :rows].copy_(torch.tensor([anchors + pad, lengths + pad]), non_blocking=True)
         self.ctx_kv[:n, : ctx_kv.shape[1]].copy_(ctx_kv)
-        return self.graphs.run(rows, lambda: self._forward(rows))[:n].clone()
+        return n
+
+    def _greedy(self, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.greedy_block(self._forward(rows), self.meta[0, :rows])
 
     def _forward(self, rows: int) -> torch.Tensor:
         anchor, lengths = self.meta[0, :rows], self.meta[1, :rows]

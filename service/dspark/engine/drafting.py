@@ -23,10 +23,20 @@ class Draft:
     block: DraftBlock
     lengths: list[int]  # l_r per decoding request: the draft tokens it verifies
     carried: list[int] | None = None  # draft tokens its forward carries: l_r, or fewer (`cut_at_grammars`)
+    # block.tokens on the host, at least max(lengths) wide: read once per step, for the forward's
+    # inputs and the accepted tokens alike (each read is a device-to-host copy).
+    host_tokens: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if self.carried is None:
             self.carried = list(self.lengths)
+
+    def token_lists(self) -> list[list[int]]:
+        """Each decode's draft tokens on the host (rows at least max(lengths) long)."""
+        if self.host_tokens is None:
+            width = max(self.lengths, default=0)
+            self.host_tokens = self.block.tokens[:, :width].tolist() if width else [[] for _ in self.lengths]
+        return self.host_tokens
 
 
 @dataclass
@@ -52,7 +62,8 @@ def draft(
         horizon = min(horizon, max(caps, default=0))
     if horizon == 0:  # nothing to decode, the policy does not draft, or no request speculates
         empty = torch.zeros((len(decodes), 0), dtype=torch.int64, device=device)
-        return Draft(DraftBlock(empty, None), [0] * len(decodes)), DraftReport()
+        no_tokens = [[] for _ in decodes]
+        return Draft(DraftBlock(empty, None), [0] * len(decodes), host_tokens=no_tokens), DraftReport()
     block = drafter.propose(decodes, SamplingTensors.for_requests(decodes, device, drafting=True), horizon)
     t1 = time.perf_counter()
     width = min(horizon, block.tokens.shape[1])
@@ -73,7 +84,9 @@ def draft(
         report.predicted_accepted_tokens = float(per_position.sum())
         report.predicted_per_position = per_position.tolist()
     report.schedule_time_s = time.perf_counter() - t1
-    return Draft(block, lengths.tolist(), carried), report
+    # The drafts on the host at the same sync point as the confidences (the device is idle by now).
+    host_tokens = block.tokens[:, : int(lengths.max(initial=0))].tolist()
+    return Draft(block, lengths.tolist(), carried, host_tokens), report
 
 
 def cut_at_grammars(
@@ -109,5 +122,4 @@ def draft_lists(draft: Draft) -> list[list[int]]:
     """Each decode's draft tokens that its forward carries, as the runner feeds them."""
     if not draft.carried or max(draft.carried) == 0:
         return [[] for _ in draft.carried]
-    rows = draft.block.tokens[:, : max(draft.carried)].tolist()
-    return [row[:n] for row, n in zip(rows, draft.carried, strict=True)]
+    return [row[:n] for row, n in zip(draft.token_lists(), draft.carried, strict=True)]

@@ -6,6 +6,7 @@ through `GraphSet`; any other step returns None and runs eagerly (`ModelRunner`)
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from dspark.engine.model_runner import StepForward
@@ -44,6 +45,10 @@ class StaticStepRunner:
         size = self.batch_buckets[-1] * self.widths[-1]
         with torch.inference_mode():  # the model reads them in inference mode
             self.meta = torch.full((5, size), scratch_slot, dtype=torch.int64, device=device)
+        # The host side of `meta`, filled with NumPy: pinned on CUDA, so the one copy per step is
+        # asynchronous; the event tells when the buffer may be refilled.
+        self._host = torch.empty((5, size), dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self.graphs = GraphSet(device)
         self.num_static_steps = 0  # steps this runner took (the rest ran eagerly)
 
@@ -90,25 +95,53 @@ class StaticStepRunner:
         if key is None:
             return None
         rows, width = key
-        size = rows * width
-        ids, pos = [0] * size, [0] * size
-        slots, row_slots, real = [self.scratch_slot] * size, [self.scratch_slot] * size, [0] * size
-        offsets = [0]
-        for i, (request, draft) in enumerate(zip(plan.decodes, draft_tokens, strict=True)):
-            n, base, start = 1 + len(draft), i * width, request.num_cached
-            ids[base : base + n] = [request.last_token_id, *draft]
-            pos[base : base + n] = range(start, start + n)
-            slots[base : base + n] = [request.slot] * n
-            row_slots[i] = request.slot
-            real[offsets[-1] : offsets[-1] + n] = range(base, base + n)
-            offsets.append(offsets[-1] + n)
-        host = torch.tensor([ids, pos, slots, row_slots, real], dtype=torch.int64)
-        self.meta[:, :size].copy_(host, non_blocking=True)
+        counts = self._fill_meta(plan, draft_tokens, rows, width)
         out = self.graphs.run(key, lambda: self._forward(rows, width))
         self.num_static_steps += 1
-        index = self.meta[_REAL, : offsets[-1]]
-        hidden = out.layer_hidden[index] if out.layer_hidden is not None else None
-        return StepForward(ForwardOutput(out.logits[index], hidden), offsets, offsets[:-1])
+        offsets = [0, *np.cumsum(counts).tolist()]
+        logits, hidden = out.logits, out.layer_hidden
+        if (counts == width).all():  # no padding inside the rows: the real tokens lead, in order
+            logits, hidden = logits[: offsets[-1]], hidden[: offsets[-1]] if hidden is not None else None
+        else:
+            index = self.meta[_REAL, : offsets[-1]]
+            logits, hidden = logits[index], hidden[index] if hidden is not None else None
+        # Views of the graph's outputs, read before the next replay: verification, the drafter's
+        # commit (which copies the features) and logprobs all run within this step.
+        return StepForward(ForwardOutput(logits, hidden), offsets, offsets[:-1])
+
+    def _fill_meta(self, plan: StepPlan, draft_tokens: list[list[int]], rows: int, width: int) -> np.ndarray:
+        """Write the step's padded metadata into `meta` with one host-to-device copy; return each
+        decode's token count (1 + its drafts)."""
+        decodes, size = plan.decodes, rows * width
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has left the pinned buffer
+        # Contiguous [5, size] at the buffer's start, so the reshapes below are views.
+        staged = self._host.view(-1)[: 5 * size].view(5, size)
+        host = staged.numpy()
+        host[[_IDS, _POS, _REAL]] = 0
+        host[[_SLOTS, _ROW_SLOTS]] = self.scratch_slot
+        n = len(decodes)
+        counts = np.fromiter((1 + len(d) for d in draft_tokens), np.int64, n)
+        starts = np.fromiter((r.num_cached for r in decodes), np.int64, n)
+        slots = np.fromiter((r.slot for r in decodes), np.int64, n)
+        grid = host[:, : n * width].reshape(5, n, width)
+        valid = np.arange(width) < counts[:, None]
+        if width == 1:
+            grid[_IDS, :, 0] = [r.last_token_id for r in decodes]
+        else:
+            grid[_IDS] = [
+                [r.last_token_id, *d, *[0] * (width - 1 - len(d))]
+                for r, d in zip(decodes, draft_tokens, strict=True)
+            ]
+        grid[_POS] = np.where(valid, starts[:, None] + np.arange(width), 0)
+        grid[_SLOTS] = np.where(valid, slots[:, None], self.scratch_slot)
+        host[_ROW_SLOTS, :n] = slots
+        real = np.flatnonzero(valid)
+        host[_REAL, : real.size] = real
+        self.meta[:, :size].copy_(staged, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        return counts
 
     def _forward(self, rows: int, width: int) -> ForwardOutput:
         size = rows * width

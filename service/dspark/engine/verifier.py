@@ -65,15 +65,17 @@ def verify_draft_tokens(
 
 
 def verify_greedy(
-    draft_tokens: torch.Tensor, target_argmax: torch.Tensor, lengths: torch.Tensor
+    draft_tokens: torch.Tensor, target_argmax: torch.Tensor, lengths: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`verify_draft_tokens` for greedy rows, without probabilities: accept while the draft equals
     the target argmax; the next token is the argmax after the accepted prefix.
 
-    draft_tokens [R, G]; target_argmax [R, G + 1] (or [R, G], as in `verify_draft_tokens`); lengths [R].
+    draft_tokens [R, G]; target_argmax [R, G + 1] (or [R, G], as in `verify_draft_tokens`); lengths [R],
+    or None when every row verifies all G drafts (no budget mask to build).
     """
     gamma = draft_tokens.shape[1]
-    in_budget = torch.arange(gamma, device=lengths.device)[None, :] < lengths[:, None]
-    matched = (draft_tokens == target_argmax[:, :gamma]) & in_budget
+    matched = draft_tokens == target_argmax[:, :gamma]
+    if lengths is not None:
+        matched &= torch.arange(gamma, device=lengths.device)[None, :] < lengths[:, None]
     num_accepted = matched.long().cumprod(dim=1).sum(dim=1)
     return num_accepted, target_argmax.gather(1, num_accepted[:, None]).squeeze(1)

@@ -36,26 +36,40 @@ def verify(plan: StepPlan, draft: Draft, forward: StepForward, device: torch.dev
         row_logits = verification_logits(
             forward.output.logits, forward.logit_starts[: len(decodes)], draft.carried, max(draft.carried)
         )
-        num_accepted, next_tokens = _verify_decodes(decodes, draft, row_logits, width, device)
-        accepted, nexts = num_accepted.tolist(), next_tokens.tolist()
-        drafted = draft.block.tokens[:, :width].tolist()
+        accepted, nexts = _verify_decodes(decodes, draft, row_logits, width, device)
+        drafted = draft.token_lists()
         new_tokens = [drafted[i][:n] + [nexts[i]] for i, n in enumerate(accepted)]
     return Verified(accepted, new_tokens, row_logits, _first_tokens(plan, forward, device))
 
 
-def _verify_decodes(decodes: list[Request], draft: Draft, row_logits: torch.Tensor, width: int, device):
-    """Rejection sampling from the processed target distribution; all-greedy batches skip the
-    probabilities (same result, less work)."""
+def _verify_decodes(
+    decodes: list[Request], draft: Draft, row_logits: torch.Tensor, width: int, device: torch.device
+) -> tuple[list[int], list[int]]:
+    """(accepted drafts, next token) per decode, read back in one device-to-host copy: rejection
+    sampling from the processed target distribution; all-greedy batches skip the probabilities
+    (same result, less work)."""
     tokens = draft.block.tokens[:, :width]
     processed = process_rows(decodes, row_logits, tokens, draft.carried)
+    greedy = all(r.params.greedy for r in decodes)
+    sampling = None if greedy else SamplingTensors.for_requests(decodes, device)
+    if width == 0:  # plain decoding: nothing to accept, only the next token (what gamma 0 verifies)
+        if greedy:
+            nexts = target_argmax(row_logits, processed)[:, 0]
+        else:
+            nexts = sample(target_probs(row_logits, sampling, processed)[:, 0], sampling.generators)
+        return [0] * len(decodes), nexts.tolist()
     host_lengths = _verify_lengths(decodes, draft)
-    lengths = torch.tensor(host_lengths, device=device)
-    if all(r.params.greedy for r in decodes):
-        return verify_greedy(tokens, target_argmax(row_logits, processed), lengths)
-    sampling = SamplingTensors.for_requests(decodes, device)
-    probs = draft.block.probs[:, :width] if draft.block.probs is not None else None
-    target = target_probs(row_logits, sampling, processed)
-    return verify_draft_tokens(tokens, probs, target, lengths, sampling.generators, host_lengths)
+    if greedy:
+        # Every row verifying the whole width (the `full` policy) needs no budget mask.
+        lengths = None if min(host_lengths) == width else torch.tensor(host_lengths, device=device)
+        result = verify_greedy(tokens, target_argmax(row_logits, processed), lengths)
+    else:
+        lengths = torch.tensor(host_lengths, device=device)
+        probs = draft.block.probs[:, :width] if draft.block.probs is not None else None
+        target = target_probs(row_logits, sampling, processed)
+        result = verify_draft_tokens(tokens, probs, target, lengths, sampling.generators, host_lengths)
+    accepted, nexts = torch.stack(result).tolist()
+    return accepted, nexts
 
 
 def _verify_lengths(decodes: list[Request], draft: Draft) -> list[int]:
