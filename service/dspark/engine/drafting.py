@@ -23,9 +23,9 @@ class Draft:
     block: DraftBlock
     lengths: list[int]  # l_r per decoding request: the draft tokens it verifies
     carried: list[int] | None = None  # draft tokens its forward carries: l_r, or fewer (`cut_at_grammars`)
-    # block.tokens on the host, at least max(lengths) wide: read once per step, for the forward's
-    # inputs and the accepted tokens alike (each read is a device-to-host copy).
-    host_tokens: list[list[int]] | None = None
+    # block.tokens on the host, at least max(lengths) wide (`token_lists`): read once per step, for
+    # the forward's inputs and the accepted tokens alike (each read is a device-to-host copy).
+    host_tokens: list[list[int]] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.carried is None:
@@ -62,8 +62,7 @@ def draft(
         horizon = min(horizon, max(caps, default=0))
     if horizon == 0:  # nothing to decode, the policy does not draft, or no request speculates
         empty = torch.zeros((len(decodes), 0), dtype=torch.int64, device=device)
-        no_tokens = [[] for _ in decodes]
-        return Draft(DraftBlock(empty, None), [0] * len(decodes), host_tokens=no_tokens), DraftReport()
+        return Draft(DraftBlock(empty, None), [0] * len(decodes)), DraftReport()
     block = drafter.propose(decodes, SamplingTensors.for_requests(decodes, device, drafting=True), horizon)
     t1 = time.perf_counter()
     width = min(horizon, block.tokens.shape[1])
@@ -84,9 +83,9 @@ def draft(
         report.predicted_accepted_tokens = float(per_position.sum())
         report.predicted_per_position = per_position.tolist()
     report.schedule_time_s = time.perf_counter() - t1
-    # The drafts on the host at the same sync point as the confidences (the device is idle by now).
-    host_tokens = block.tokens[:, : int(lengths.max(initial=0))].tolist()
-    return Draft(block, lengths.tolist(), carried, host_tokens), report
+    result = Draft(block, lengths.tolist(), carried)
+    result.token_lists()  # read now, at the confidences' sync point: the device is idle by now
+    return result, report
 
 
 def cut_at_grammars(

@@ -126,13 +126,10 @@ class StaticStepRunner:
         slots = np.fromiter((r.slot for r in decodes), np.int64, n)
         grid = host[:, : n * width].reshape(5, n, width)
         valid = np.arange(width) < counts[:, None]
-        if width == 1:
-            grid[_IDS, :, 0] = [r.last_token_id for r in decodes]
-        else:
-            grid[_IDS] = [
-                [r.last_token_id, *d, *[0] * (width - 1 - len(d))]
-                for r, d in zip(decodes, draft_tokens, strict=True)
-            ]
+        grid[_IDS] = [
+            [r.last_token_id, *d, *[0] * (width - 1 - len(d))]
+            for r, d in zip(decodes, draft_tokens, strict=True)
+        ]
         grid[_POS] = np.where(valid, starts[:, None] + np.arange(width), 0)
         grid[_SLOTS] = np.where(valid, slots[:, None], self.scratch_slot)
         host[_ROW_SLOTS, :n] = slots

@@ -7,8 +7,9 @@ decode throughput at 16 users on an AVX2-only CPU. Inductor's CPU freezing pass 
 
 A single row (plain decoding of one request) is a matrix-vector product bound by memory
 bandwidth, where MKL streaming a dense [in, out] copy beats the blocked layout (about 1.4x over a
-model's weights in fp32 on an AVX2 EPYC). That copy is the weight itself: `weight` becomes its
-transposed view, so the two layouts cost no more memory than the packed one alone did.
+model's weights in fp32 on an AVX2 EPYC). That copy is the weight itself: `weight` becomes the
+transposed view of a contiguous [in, out] tensor, which `F.linear` reads without a copy, so the
+two layouts cost no more memory than the packed one alone did.
 """
 
 from __future__ import annotations
@@ -32,41 +33,37 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Linear):
-    """An nn.Linear whose forward uses packed / dense copies of its (frozen) weight; `weight` stays
-    readable (a view of `dense_t`)."""
+    """An nn.Linear whose forward uses a packed copy of its (frozen) weight for several rows and
+    the weight itself, stored [in, out], for one; `weight` stays readable."""
 
     packed: torch.Tensor
-    dense_t: torch.Tensor  # [in, out] contiguous
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled():  # training reads `weight`, the packed copy would go stale
             return F.linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():  # inductor cannot lower the packed op itself
-            return packed_linear(x, self.packed, self.dense_t, self.bias)
-        return _packed_or_dense(x, self.packed, self.dense_t, self.bias)
+            return packed_linear(x, self.packed, self.weight, self.bias)
+        return _packed_or_dense(x, self.packed, self.weight, self.bias)
 
 
 def _packed_or_dense(
-    x: torch.Tensor, packed: torch.Tensor, dense_t: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     if x.numel() == x.shape[-1]:  # one row: decided at run time, so a compiled graph needs no guard
-        out = x @ dense_t
-        return out if bias is None else out + bias
+        return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 @torch.library.custom_op("dspark::packed_linear", mutates_args=())
 def packed_linear(
-    x: torch.Tensor, packed: torch.Tensor, dense_t: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """The packed (or, for one row, dense) matmul as one opaque op of a compiled graph."""
-    return _packed_or_dense(x, packed, dense_t, bias)
+    return _packed_or_dense(x, packed, weight, bias)
 
 
 @packed_linear.register_fake
-def _(
-    x: torch.Tensor, packed: torch.Tensor, dense_t: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
+def _(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], packed.shape[0])
 
 
@@ -79,7 +76,7 @@ def pack_linears(model: nn.Module) -> int:
             weight = module.weight
             module.__class__ = PackedLinear
             module.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _BATCH_HINT)
-            module.dense_t = weight.detach().t().contiguous()
-            module.weight = nn.Parameter(module.dense_t.t(), requires_grad=weight.requires_grad)
+            in_out = weight.detach().t().contiguous()
+            module.weight = nn.Parameter(in_out.t(), requires_grad=weight.requires_grad)
             count += 1
     return count
