@@ -4,6 +4,8 @@ highest concurrency.
 
 Usage: python scripts/step_profile.py --device cuda --out runs/gpu/steps [--target DIR_OR_NAME]
   [--no-cuda-graphs]   (CUDA graphs are on by default on CUDA: compare the two)
+  [--single-key-bucket]   (graphs attend over all of max_model_len, not the shortest key-length
+                           bucket that holds the batch's contexts: what key buckets save)
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 
 from dspark.builder import engine_from_config, sibling_engine
 from dspark.drafters.ngram import NoDrafter
+from dspark.engine import llm_engine
 from dspark.engine.config import EngineConfig
 from dspark.engine.sampling_params import SamplingParams
 from dspark.policies.factory import build_policy
@@ -34,7 +37,12 @@ def main() -> None:
     parser.add_argument(
         "--cuda-graphs", action=argparse.BooleanOptionalAction, default=None, help="default: on for CUDA"
     )
+    parser.add_argument(
+        "--single-key-bucket", action="store_true", help="one key-length bucket: max_model_len"
+    )
     args = parser.parse_args()
+    if args.single_key_bucket:
+        llm_engine.key_buckets = lambda max_len: (max_len,)
     levels = [int(c) for c in args.concurrency.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     base = engine_from_config(
@@ -72,6 +80,7 @@ def main() -> None:
             captured = engine.static_runner is not None and engine.static_runner.graphs.num_graphs > 0
             results[f"{policy}@{c}"] = {
                 "cuda_graphs": captured,
+                "key_buckets": list(engine.static_runner.key_lens) if engine.static_runner else None,
                 "step_ms": step * 1e3,
                 "forward_ms": forward / args.steps * 1e3,
                 "kernels_per_step": ops.computing,

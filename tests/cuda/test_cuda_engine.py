@@ -6,9 +6,11 @@ import pytest
 import torch
 from dspark.builder import engine_from_config, sibling_engine
 from dspark.drafters.ngram import NgramDrafter, NoDrafter
+from dspark.engine import llm_engine
 from dspark.engine.config import EngineConfig
 from dspark.engine.sampling_params import SamplingParams
 from dspark.models.sdpa import folded_gqa_attention
+from dspark.models.static_batch import key_buckets
 from dspark.policies.factory import build_policy
 from dspark.profiling.synthetic import synthetic_profile
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -92,9 +94,11 @@ def test_masked_gqa_attention_runs_on_the_memory_efficient_kernel():
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
 
-def test_cuda_graph_steps_equal_eager_steps_on_cuda(smollm_dir):
+def test_cuda_graph_steps_equal_eager_steps_on_cuda(smollm_dir, monkeypatch):
     """Captured decode, verification and DSpark propose graphs give the eager engine's greedy tokens,
-    with batches inside and outside the buckets (2 of 3 requests fit (1, 2))."""
+    with batches inside and outside the buckets (2 of 3 requests fit (1, 2)) and contexts growing
+    across key-length buckets (16, 32, 64, ...)."""
+    monkeypatch.setattr(llm_engine, "key_buckets", lambda max_len: key_buckets(max_len, smallest=16))
     config = EngineConfig(
         drafter="dspark", policy="none", dtype="float32", device="cuda", max_num_seqs=3, cuda_graphs=False
     )
@@ -109,7 +113,9 @@ def test_cuda_graph_steps_equal_eager_steps_on_cuda(smollm_dir):
         on = sibling_engine(
             eager, drafter.fresh_copy(), build_policy(policy), cuda_graphs=True, cuda_graph_batch_sizes=(1, 2)
         )
-        assert on.static_runner.graphs.num_graphs == 2 * (2 if drafter.gamma else 1)
+        key_lens = on.static_runner.key_lens
+        assert key_lens == key_buckets(on.max_model_len, smallest=16)
+        assert on.static_runner.graphs.num_graphs == 2 * (2 if drafter.gamma else 1) * len(key_lens)
         expected = [r.token_ids for r in off.generate(prompts, params)]
         assert [r.token_ids for r in on.generate(prompts, params)] == expected
         assert on.static_runner.num_static_steps > 0

@@ -8,6 +8,7 @@ import pytest
 import torch
 from dspark.drafters.factory import load_drafter
 from dspark.drafters.ngram import NgramDrafter, NoDrafter
+from dspark.engine import llm_engine
 from dspark.engine.drafter import Drafter
 from dspark.engine.model_runner import ModelRunner
 from dspark.engine.request import Request
@@ -18,13 +19,14 @@ from dspark.models.config import head_dim, load_target_config
 from dspark.models.cuda_graphs import check_graph_memory
 from dspark.models.kv_cache import KVCache
 from dspark.models.loader import load_target_model
-from dspark.models.static_batch import DEFAULT_BATCH_BUCKETS, batch_buckets, bucket_for
+from dspark.models.static_batch import DEFAULT_BATCH_BUCKETS, batch_buckets, bucket_for, key_buckets
 
 from tests.conftest import write_tiny_model
 from tests.drafters.helpers import FIXTURE
 from tests.engine.helpers import engine_on
 
 MAX_LEN, GAMMA, LAYERS = 96, 4, (0, 1)
+KEY_LENS = key_buckets(MAX_LEN, smallest=24)  # 24, 48, 96
 SLOTS = DEFAULT_BATCH_BUCKETS[-1]
 CPU = torch.device("cpu")
 
@@ -46,13 +48,16 @@ def _cache(model) -> KVCache:
     return cache
 
 
-def _step(num_requests: int, draft_len: int, seed: int) -> tuple[StepPlan, list[list[int]]]:
-    """Decodes on scattered slots at scattered positions, draft lengths 0..draft_len per request."""
+def _step(
+    num_requests: int, draft_len: int, seed: int, max_cached: int = MAX_LEN - GAMMA - 2
+) -> tuple[StepPlan, list[list[int]]]:
+    """Decodes on scattered slots at scattered positions up to max_cached, draft lengths
+    0..draft_len per request."""
     gen = torch.Generator().manual_seed(seed)
     slots = torch.randperm(SLOTS, generator=gen)[:num_requests].tolist()
     requests, drafts = [], []
     for i, slot in enumerate(slots):
-        cached = int(torch.randint(1, MAX_LEN - GAMMA - 1, (1,), generator=gen))
+        cached = int(torch.randint(1, max_cached + 1, (1,), generator=gen))
         tokens = torch.randint(96, (cached + 1,), generator=gen).tolist()
         requests.append(
             Request(f"r{i}", tokens, SamplingParams(temperature=0.0), slot=slot, num_cached=cached)
@@ -63,14 +68,19 @@ def _step(num_requests: int, draft_len: int, seed: int) -> tuple[StepPlan, list[
 
 
 def _runner(model, cache, buckets=DEFAULT_BATCH_BUCKETS) -> StaticStepRunner:
-    return StaticStepRunner(model, cache, SLOTS, buckets, (1, 1 + GAMMA), LAYERS, CPU)
+    return StaticStepRunner(model, cache, SLOTS, buckets, (1, 1 + GAMMA), KEY_LENS, LAYERS, CPU)
 
 
-def _assert_same_step(model, num_requests: int, draft_len: int, seed: int) -> None:
-    plan, drafts = _step(num_requests, draft_len, seed)
+def _assert_same_step(
+    model, num_requests: int, draft_len: int, seed: int, max_cached: int = MAX_LEN - GAMMA - 2
+) -> None:
+    plan, drafts = _step(num_requests, draft_len, seed, max_cached)
     eager_cache, static_cache = _cache(model), _cache(model)
     eager = ModelRunner(model, eager_cache, CPU).run(plan, drafts, LAYERS)
-    static = _runner(model, static_cache).run(plan, drafts)
+    runner = _runner(model, static_cache)
+    longest = max(r.num_cached + 1 + len(d) for r, d in zip(plan.decodes, drafts, strict=True))
+    assert runner.bucket(plan, drafts)[2] == bucket_for(longest, KEY_LENS)  # the shortest that holds it
+    static = runner.run(plan, drafts)
     assert static is not None
     assert static.offsets == eager.offsets and static.logit_starts == eager.logit_starts
     torch.testing.assert_close(static.output.logits, eager.output.logits, atol=2e-5, rtol=1e-5)
@@ -92,6 +102,19 @@ def test_full_bucket_equals_eager(tiny, rows, draft_len):
 def test_padded_bucket_equals_eager(tiny, num_requests, draft_len):
     """Padding rows (to the next bucket) and padding tokens (to 1 + gamma) change nothing real."""
     _assert_same_step(tiny[1], num_requests, draft_len, seed=1000 + num_requests)
+
+
+@pytest.mark.parametrize("max_cached", [KEY_LENS[0] - 1 - GAMMA, KEY_LENS[1] - 1 - GAMMA, KEY_LENS[1]])
+@pytest.mark.parametrize("draft_len", [0, GAMMA], ids=["decode", "verify"])
+def test_every_key_length_bucket_equals_eager(tiny, max_cached, draft_len):
+    """Steps whose contexts fit a shorter key-length bucket attend over that prefix of the cache only."""
+    _assert_same_step(tiny[1], 5, draft_len, seed=7 * max_cached, max_cached=max_cached)
+
+
+def test_key_buckets_double_up_to_max_len():
+    assert key_buckets(2048) == (128, 256, 512, 1024, 2048)
+    assert key_buckets(1000) == (128, 256, 512, 1000)
+    assert key_buckets(96) == (96,)
 
 
 def test_steps_outside_every_bucket_are_left_to_the_eager_runner(tiny):
@@ -136,9 +159,11 @@ def _dspark(target_dir: Path) -> Drafter:
     ],
     ids=["plain", "ngram", "dspark"],
 )
-def test_engine_generation_equals_eager(tiny, drafter, policy, target):
+def test_engine_generation_equals_eager(tiny, drafter, policy, target, monkeypatch):
     """Greedy generation with the static path forced on equals the eager engine's, including steps with
-    prompt chunks and steps outside every bucket (5 and 6 running requests), which run eagerly."""
+    prompt chunks, steps outside every bucket (5 and 6 running requests), which run eagerly, and
+    contexts growing across key-length buckets."""
+    monkeypatch.setattr(llm_engine, "key_buckets", lambda max_len: key_buckets(max_len, smallest=16))
     path = target or tiny[0]
     prompts = [[(7 * i + j) % 90 + 1 for j in range(5 + 3 * i)] for i in range(6)]
     # Different lengths: the batch shrinks from 6 (eager) through 4..1 (buckets) as requests finish.
@@ -156,6 +181,7 @@ def test_engine_generation_equals_eager(tiny, drafter, policy, target):
             prefix_caching=False,
         )
         assert (engine.static_runner is not None) == graphs
+        assert not graphs or engine.static_runner.key_lens == (16, 32, 64, MAX_LEN)
         results[graphs] = [r.token_ids for r in engine.generate(prompts, params)]
         if graphs:
             assert engine.static_runner.num_static_steps > 0

@@ -53,10 +53,13 @@ class DSparkDrafter(ContextDrafter):
     def fresh_copy(self) -> DSparkDrafter:
         return DSparkDrafter(self.model, self.calibration)
 
-    def use_static_shapes(self, batch_buckets: tuple[int, ...], max_context: int) -> None:
-        if self.static is not None and self.static.shape == (tuple(sorted(batch_buckets)), max_context):
+    def use_static_shapes(self, batch_buckets: tuple[int, ...], context_buckets: tuple[int, ...]) -> None:
+        if self.static is not None and self.static.shape == (
+            tuple(sorted(batch_buckets)),
+            tuple(sorted(context_buckets)),
+        ):
             return  # engines over one drafter (siblings) share its graphs
-        self.static = StaticBlockHidden(self.model, batch_buckets, max_context, self._greedy_block)
+        self.static = StaticBlockHidden(self.model, batch_buckets, context_buckets, self._greedy_block)
         self.static.capture()
 
     def _write(self, chunk: CommittedChunk) -> None:

@@ -70,8 +70,8 @@ class LookupFirstDrafter(Drafter):
     def fresh_copy(self) -> LookupFirstDrafter:
         return LookupFirstDrafter(self.model.fresh_copy(), self.max_ngram, self.ema)
 
-    def use_static_shapes(self, batch_buckets: tuple[int, ...], max_context: int) -> None:
-        self.model.use_static_shapes(batch_buckets, max_context)
+    def use_static_shapes(self, batch_buckets: tuple[int, ...], context_buckets: tuple[int, ...]) -> None:
+        self.model.use_static_shapes(batch_buckets, context_buckets)
 
     def admit(self, request: Request) -> None:
         self.model.admit(request)

@@ -1,4 +1,4 @@
-"""DSpark's block pass over static buffers: batches padded to request buckets, contexts to a bound.
+"""DSpark's block pass over static buffers: batches padded to request buckets, contexts to length buckets.
 
 The context K/V is gathered from the paged store eagerly (its pools grow, so their addresses do
 not stay put) into one static buffer; the backbone pass over it is what a CUDA graph replays.
@@ -27,24 +27,28 @@ class StaticBlockHidden:
         self,
         model: DSparkModel,
         batch_buckets: tuple[int, ...],
-        max_context: int,
+        context_buckets: tuple[int, ...],
         greedy_block: GreedyBlock | None = None,
     ) -> None:
         weight = model.fc.weight
         self.model, self.device = model, weight.device
         self.greedy_block = greedy_block
-        self.batch_buckets, self.max_context = tuple(sorted(batch_buckets)), max_context
+        self.batch_buckets, self.context_buckets = (
+            tuple(sorted(batch_buckets)),
+            tuple(sorted(context_buckets)),
+        )
+        self.max_context = self.context_buckets[-1]
         rows = self.batch_buckets[-1]
         with torch.inference_mode():  # the drafter proposes in inference mode
             self.ctx_kv = torch.zeros(
-                (rows, max_context, *model.kv_shape), dtype=weight.dtype, device=self.device
+                (rows, self.max_context, *model.kv_shape), dtype=weight.dtype, device=self.device
             )
             self.meta = torch.zeros((2, rows), dtype=torch.int64, device=self.device)  # anchors, lengths
         self.graphs = GraphSet(self.device)
 
     @property
-    def shape(self) -> tuple[tuple[int, ...], int]:
-        return self.batch_buckets, self.max_context
+    def shape(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return self.batch_buckets, self.context_buckets
 
     def estimate_bytes(self) -> int:
         """The context buffer plus the largest bucket's activations (an upper bound)."""
@@ -68,28 +72,37 @@ class StaticBlockHidden:
         check_graph_memory(self.estimate_bytes(), free_device_memory(self.device), what)
         self.meta.zero_()
         for rows in reversed(self.batch_buckets):
-            self.graphs.capture(rows, lambda rows=rows: self._forward(rows))
-            if self.greedy_block is not None:
-                self.graphs.capture((rows, "greedy"), lambda rows=rows: self._greedy(rows))
+            for context in reversed(self.context_buckets):
+                key = (rows, context)
+                self.graphs.capture(key, lambda key=key: self._forward(*key))
+                if self.greedy_block is not None:
+                    self.graphs.capture((*key, "greedy"), lambda key=key: self._greedy(*key))
 
-    def bucket(self, num_requests: int, max_length: int) -> int | None:
-        """The batch bucket, or None when the batch or a context does not fit (run eagerly)."""
-        return bucket_for(num_requests, self.batch_buckets) if max_length <= self.max_context else None
+    def bucket(self, num_requests: int, max_length: int) -> tuple[int, int] | None:
+        """The (requests, context length) bucket, or None when the batch or a context does not fit
+        (run eagerly)."""
+        rows, context = (
+            bucket_for(num_requests, self.batch_buckets),
+            bucket_for(max_length, self.context_buckets),
+        )
+        return None if rows is None or context is None else (rows, context)
 
     @torch.inference_mode()
-    def run(self, rows: int, anchors: list[int], lengths: list[int], ctx_kv: torch.Tensor) -> torch.Tensor:
+    def run(
+        self, bucket: tuple[int, int], anchors: list[int], lengths: list[int], ctx_kv: torch.Tensor
+    ) -> torch.Tensor:
         """ctx_kv [R, C, *kv_shape] of R requests -> hidden states [R, block positions, d] (a copy)."""
-        n = self._load(rows, anchors, lengths, ctx_kv)
-        return self.graphs.run(rows, lambda: self._forward(rows))[:n].clone()
+        n = self._load(bucket[0], anchors, lengths, ctx_kv)
+        return self.graphs.run(bucket, lambda: self._forward(*bucket))[:n].clone()
 
     @torch.inference_mode()
     def run_greedy(
-        self, rows: int, anchors: list[int], lengths: list[int], ctx_kv: torch.Tensor
+        self, bucket: tuple[int, int], anchors: list[int], lengths: list[int], ctx_kv: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`run`, then `greedy_block` over every block position: tokens [R, G] and confidences
         [R, G] (or None). Views of the graph's outputs: the caller reads them before the next replay."""
-        n = self._load(rows, anchors, lengths, ctx_kv)
-        tokens, confidences = self.graphs.run((rows, "greedy"), lambda: self._greedy(rows))
+        n = self._load(bucket[0], anchors, lengths, ctx_kv)
+        tokens, confidences = self.graphs.run((*bucket, "greedy"), lambda: self._greedy(*bucket))
         return tokens[:n], confidences[:n] if confidences is not None else None
 
     def _load(self, rows: int, anchors: list[int], lengths: list[int], ctx_kv: torch.Tensor) -> int:
@@ -98,10 +111,12 @@ class StaticBlockHidden:
         self.ctx_kv[:n, : ctx_kv.shape[1]].copy_(ctx_kv)
         return n
 
-    def _greedy(self, rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self.greedy_block(self._forward(rows), self.meta[0, :rows])
+    def _greedy(self, rows: int, context: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.greedy_block(self._forward(rows, context), self.meta[0, :rows])
 
-    def _forward(self, rows: int) -> torch.Tensor:
+    def _forward(self, rows: int, context: int) -> torch.Tensor:
+        """The block pass over the first `context` entries of each row's context: entries past a
+        row's own length are stale (masked), padding rows have none."""
         anchor, lengths = self.meta[0, :rows], self.meta[1, :rows]
-        mask = torch.arange(self.max_context, device=self.device)[None, :] < lengths[:, None]
-        return self.model.block_hidden(anchor, lengths, self.ctx_kv[:rows], mask)
+        mask = torch.arange(context, device=self.device)[None, :] < lengths[:, None]
+        return self.model.block_hidden(anchor, lengths, self.ctx_kv[:rows, :context], mask)

@@ -49,9 +49,10 @@ class Drafter(ABC):
         Drafters without per-request state return themselves."""
         return self
 
-    def use_static_shapes(self, batch_buckets: tuple[int, ...], max_context: int) -> None:  # noqa: B027
+    def use_static_shapes(self, batch_buckets: tuple[int, ...], context_buckets: tuple[int, ...]) -> None:  # noqa: B027
         """Optional: propose over batches padded to these request-count buckets and contexts padded
-        to `max_context` (CUDA graphs; eager padded code off CUDA). The engine calls it at start-up."""
+        to these lengths, the last the longest context (CUDA graphs; eager padded code off CUDA).
+        The engine calls it at start-up."""
 
     def admit(self, request: Request) -> None:  # noqa: B027 - optional hook
         """A request got a KV slot (and maybe a cached prefix: `request.prefix_source`)."""
@@ -89,8 +90,8 @@ class WrappingDrafter(Drafter):
         self.device = inner.device
         self.gives_confidences = inner.gives_confidences
 
-    def use_static_shapes(self, batch_buckets: tuple[int, ...], max_context: int) -> None:
-        self.inner.use_static_shapes(batch_buckets, max_context)
+    def use_static_shapes(self, batch_buckets: tuple[int, ...], context_buckets: tuple[int, ...]) -> None:
+        self.inner.use_static_shapes(batch_buckets, context_buckets)
 
     def admit(self, request: Request) -> None:
         self.inner.admit(request)

@@ -28,7 +28,7 @@ from dspark.engine.verify_policy import VerifyPolicy
 from dspark.models.compiled_forward import compiled_or_eager
 from dspark.models.config import head_dim
 from dspark.models.kv_cache import KVCache, check_kv_budget
-from dspark.models.static_batch import batch_buckets
+from dspark.models.static_batch import batch_buckets, key_buckets
 
 
 @dataclass
@@ -94,10 +94,11 @@ class LLMEngine:
         self._ids = itertools.count()
 
     def _static_runner(self) -> StaticStepRunner:
-        """Buckets of up to max_num_seqs requests x 1 token (plain decode) or 1 + gamma (verification);
-        graphs are captured here, before the first request, so a bucket set that does not fit is
+        """Buckets of up to max_num_seqs requests x 1 token (plain decode) or 1 + gamma (verification)
+        x key lengths doubling up to max_model_len (the drafter's contexts likewise); graphs are captured here, before the first request, so a bucket set that does not fit is
         refused at start-up."""
         buckets = batch_buckets(self.config.max_num_seqs, self.config.cuda_graph_batch_sizes)
+        contexts = key_buckets(self.max_model_len)
         gamma = self.drafter.gamma
         runner = StaticStepRunner(
             self.model,
@@ -105,11 +106,12 @@ class LLMEngine:
             self.cache.allocate(self.config.max_num_seqs),  # the scratch slot, never freed
             buckets,
             (1, 1 + gamma) if gamma else (1,),
+            contexts,
             self.drafter.target_layers,
             self.device,
         )
         runner.capture()
-        self.drafter.use_static_shapes(buckets, self.max_model_len)
+        self.drafter.use_static_shapes(buckets, contexts)
         return runner
 
     # ---- requests -------------------------------------------------------------------------

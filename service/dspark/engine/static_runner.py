@@ -1,4 +1,4 @@
-"""Decode and verification steps padded to (requests, tokens) buckets and replayed as CUDA graphs.
+"""Decode and verification steps padded to (requests, tokens, keys) buckets and replayed as CUDA graphs.
 
 A step whose rows are all decodes (no prompt chunk) and fit a bucket is padded to it and runs
 through `GraphSet`; any other step returns None and runs eagerly (`ModelRunner`).
@@ -24,8 +24,9 @@ _IDS, _POS, _SLOTS, _ROW_SLOTS, _REAL = range(5)
 class StaticStepRunner:
     """Target steps over static buffers sized for the largest bucket; each bucket uses a prefix.
 
-    `scratch_slot` is a KV slot no request owns: padding tokens write their K/V there. Every
-    bucket attends over the cache's whole max_len, so a graph never depends on context lengths.
+    `scratch_slot` is a KV slot no request owns: padding tokens write their K/V there. A bucket
+    attends over its key length (`key_lens`, the last the cache's max_len), so a graph depends on
+    the step's context lengths only through the bucket they fall in.
     """
 
     def __init__(
@@ -35,11 +36,15 @@ class StaticStepRunner:
         scratch_slot: int,
         batch_buckets: tuple[int, ...],
         widths: tuple[int, ...],
+        key_lens: tuple[int, ...],
         hidden_layers: tuple[int, ...],
         device: torch.device,
     ) -> None:
         self.model, self.cache, self.scratch_slot = model, cache, scratch_slot
         self.batch_buckets, self.widths = tuple(sorted(batch_buckets)), tuple(sorted(widths))
+        self.key_lens = tuple(sorted(key_lens))
+        if self.key_lens[-1] > cache.max_len:
+            raise ValueError(f"key-length bucket {self.key_lens[-1]} exceeds the cache's {cache.max_len}")
         self.hidden_layers = hidden_layers
         self.device = device
         size = self.batch_buckets[-1] * self.widths[-1]
@@ -53,18 +58,26 @@ class StaticStepRunner:
         self.num_static_steps = 0  # steps this runner took (the rest ran eagerly)
 
     @property
-    def keys(self) -> list[tuple[int, int]]:
-        return [(rows, width) for rows in self.batch_buckets for width in self.widths]
+    def keys(self) -> list[tuple[int, int, int]]:
+        return [(r, w, k) for r in self.batch_buckets for w in self.widths for k in self.key_lens]
 
     def estimate_bytes(self) -> int:
-        """Static buffers plus the memory pool, which the largest bucket's activations bound."""
-        return self.meta.numel() * 8 + step_activation_bytes(
-            self.model.config,
-            self.batch_buckets[-1],
-            self.widths[-1],
-            self.cache.max_len,
-            self.cache.k.element_size(),
-            len(self.hidden_layers),
+        """Static buffers plus the memory pool: the largest bucket's activations bound what graphs
+        share, but every graph keeps its own outputs (logits and captured layers) allocated."""
+        config, itemsize = self.model.config, self.cache.k.element_size()
+        per_token = config.vocab_size * 4 + config.hidden_size * len(self.hidden_layers) * itemsize
+        outputs = sum(rows * width for rows, width, _ in self.keys) * per_token
+        return (
+            self.meta.numel() * 8
+            + outputs
+            + step_activation_bytes(
+                config,
+                self.batch_buckets[-1],
+                self.widths[-1],
+                self.cache.max_len,
+                itemsize,
+                len(self.hidden_layers),
+            )
         )
 
     @torch.inference_mode()
@@ -72,7 +85,7 @@ class StaticStepRunner:
         """On CUDA: refuse a bucket set that does not fit, then capture every bucket, largest first."""
         if not self.graphs.enabled:
             return
-        rows, width = self.keys[-1]
+        rows, width, _ = self.keys[-1]
         what = f"{len(self.keys)} step buckets up to {rows} requests x {width} tokens"
         check_graph_memory(self.estimate_bytes(), free_device_memory(self.device), what)
         self.meta[[_POS, _IDS]] = 0
@@ -80,13 +93,15 @@ class StaticStepRunner:
         for key in sorted(self.keys, reverse=True):
             self.graphs.capture(key, lambda key=key: self._forward(*key))
 
-    def bucket(self, plan: StepPlan, draft_tokens: list[list[int]]) -> tuple[int, int] | None:
-        """The (requests, tokens per request) bucket of an all-decode step, or None (eager)."""
+    def bucket(self, plan: StepPlan, draft_tokens: list[list[int]]) -> tuple[int, int, int] | None:
+        """The (requests, tokens per request, keys) bucket of an all-decode step, or None (eager)."""
         if plan.prefills or not plan.decodes:
             return None
         rows = bucket_for(len(plan.decodes), self.batch_buckets)
         width = bucket_for(1 + max(len(d) for d in draft_tokens), self.widths)
-        return None if rows is None or width is None else (rows, width)
+        longest = max(r.num_cached + 1 + len(d) for r, d in zip(plan.decodes, draft_tokens, strict=True))
+        keys = bucket_for(longest, self.key_lens)
+        return None if rows is None or width is None or keys is None else (rows, width, keys)
 
     @torch.inference_mode()
     def run(self, plan: StepPlan, draft_tokens: list[list[int]]) -> StepForward | None:
@@ -94,9 +109,9 @@ class StaticStepRunner:
         key = self.bucket(plan, draft_tokens)
         if key is None:
             return None
-        rows, width = key
+        rows, width, _ = key
         counts = self._fill_meta(plan, draft_tokens, rows, width)
-        out = self.graphs.run(key, lambda: self._forward(rows, width))
+        out = self.graphs.run(key, lambda: self._forward(*key))
         self.num_static_steps += 1
         offsets = [0, *np.cumsum(counts).tolist()]
         logits, hidden = out.logits, out.layer_hidden
@@ -140,7 +155,7 @@ class StaticStepRunner:
             self._copied.record()
         return counts
 
-    def _forward(self, rows: int, width: int) -> ForwardOutput:
+    def _forward(self, rows: int, width: int, key_len: int) -> ForwardOutput:
         size = rows * width
         batch = PaddedBatch(
             rows,
@@ -149,7 +164,7 @@ class StaticStepRunner:
             token_slots=self.meta[_SLOTS, :size],
             row_slots=self.meta[_ROW_SLOTS, :rows],
             scratch_slot=self.scratch_slot,
-            key_len=self.cache.max_len,
+            key_len=key_len,
         ).with_mask()
         return self.model(self.meta[_IDS, :size], batch, self.cache, hidden_layers=self.hidden_layers)
 

@@ -2,8 +2,9 @@
 
 Every tensor is a view of a static buffer, so one captured graph serves every step of its bucket:
 padding tokens write their K/V to a scratch slot and their outputs are dropped, and each row
-attends over its slot's whole cache (`key_len` = the cache's max_len) under a mask built inside
-the graph from the positions, so no shape depends on the step's context lengths.
+attends over the first `key_len` entries of its slot (a key-length bucket at or above the
+batch's longest context) under a mask built inside the graph from the positions, so no shape
+depends on the step's own context lengths.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from dspark.models.sdpa import attention
 
 # Request-count buckets; the step of R requests is padded to the smallest bucket >= R.
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# The shortest key-length bucket. Attention in a padded step reads every key of its bucket, so
+# buckets doubling up to max_len keep that read within 2x of the longest context, not max_len.
+MIN_KEY_BUCKET = 128
 
 
 @dataclass
@@ -47,7 +51,9 @@ def attend_padded(
 ) -> torch.Tensor:
     """q [rows * width, H, hd] -> [rows * width, H, hd]: one masked SDPA over the rows' gathered slots."""
     queries = q.view(batch.rows, batch.width, *q.shape[1:]).transpose(1, 2)
-    keys, values = k_cache[batch.row_slots], v_cache[batch.row_slots]  # [rows, KVH, key_len, hd]
+    # Sliced before the gather, so only the bucket's keys are copied: [rows, KVH, key_len, hd].
+    keys = k_cache[:, :, : batch.key_len][batch.row_slots]
+    values = v_cache[:, :, : batch.key_len][batch.row_slots]
     out = attention(queries, keys, values, batch.mask)
     return out.transpose(1, 2).reshape(q.shape)
 
@@ -55,6 +61,15 @@ def attend_padded(
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int | None:
     """The smallest bucket >= n, or None when n exceeds every bucket."""
     return next((b for b in buckets if b >= n), None)
+
+
+def key_buckets(max_len: int, smallest: int = MIN_KEY_BUCKET) -> tuple[int, ...]:
+    """Key-length (context) buckets: powers of two from `smallest` below max_len, then max_len."""
+    buckets = []
+    while smallest < max_len:
+        buckets.append(smallest)
+        smallest *= 2
+    return (*buckets, max_len)
 
 
 def batch_buckets(max_num_seqs: int, buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS) -> tuple[int, ...]:
