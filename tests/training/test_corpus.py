@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,9 @@ import pytest
 import yaml
 from click.testing import CliRunner
 from dspark.cli import main
+from dspark.training import prompt_order
 from dspark.training.corpus import SPEC_FILE, add_shards
+from dspark.training.prompt_order import ORDER_FILE
 from dspark.training.shards import (
     CorruptShard,
     ForeignShard,
@@ -20,6 +23,7 @@ from dspark.training.shards import (
     PromptSet,
     ResponseRecord,
     Sample,
+    ShardError,
     ShardManifest,
     TargetIdentity,
     load_corpus,
@@ -114,6 +118,41 @@ def test_an_interrupted_run_resumes_without_duplicates_or_losses(tmp_path, tiny_
                 assert s.response_ids == kept[s.index]
     assert indices == list(range(10))
     assert not list((tmp_path / "work" / "c").glob("*.partial.jsonl"))
+
+
+def test_the_prompt_order_is_cached_and_travels_with_the_work_dir(
+    tmp_path, tiny_target, prompts, monkeypatch, caplog
+):
+    a = _corpus(tmp_path / "a", tiny_target, prompts)
+    _add(a, 1, tmp_path / "ra")
+    cached = tmp_path / "ra" / "work" / "a" / ORDER_FILE
+    assert cached.is_file()
+
+    def no_sources(spec):
+        raise AssertionError(f"source {spec} read although the order is cached")
+
+    monkeypatch.setattr(prompt_order, "load_source", no_sources)
+    assert _add(a, 1, tmp_path / "ra").shards == [1]
+    # Another machine without the sources: the copied cache gives the same order, so the same shards.
+    b = _corpus(tmp_path / "b", tiny_target, prompts)
+    (tmp_path / "rb" / "work" / "b").mkdir(parents=True)
+    shutil.copy(cached, tmp_path / "rb" / "work" / "b" / ORDER_FILE)
+    assert _add(b, 2, tmp_path / "rb").shards == [0, 1]
+    for name in ("shard-00000.bin", "shard-00001.json"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+    # A damaged cache, or one for another prompt file, is rebuilt from the sources (said in the log).
+    cached.write_bytes(cached.read_bytes()[:40])
+    with pytest.raises(AssertionError, match="read although the order is cached"):
+        _add(a, 1, tmp_path / "ra")
+    assert "unreadable" in caplog.text
+    monkeypatch.undo()
+    assert _add(a, 1, tmp_path / "ra").shards == [2]
+    prompts.write_text(prompts.read_text() + json.dumps({"prompt": "one more", "domain": "chat"}) + "\n")
+    caplog.clear()
+    with pytest.raises(ShardError, match="answers another prompt order"):
+        _add(a, 1, tmp_path / "ra")
+    assert "another spec, tokenizer or prompt file" in caplog.text
 
 
 def _synthetic_manifest(shard: int, vocab: int, samples: list[Sample]) -> ShardManifest:

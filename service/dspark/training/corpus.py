@@ -5,6 +5,7 @@ and the shards (`shards.py`). The spec's sources, filtered (duplicates, evaluati
 longer than `max_prompt_tokens`) and shuffled with its seed, give one fixed prompt order; shard N
 answers prompts [N * shard_size, (N + 1) * shard_size) of it. So any machine can add shard N + 1
 without redoing 0..N, and the order's hash in every manifest makes sure it was the same order.
+The order is cached in the work directory (`prompt_order.py`).
 
 Generation runs the engine's plain decoding (no drafter) at a large batch, feeding requests so the
 batch stays full across shard boundaries. Each finished response is appended to a partial file
@@ -15,7 +16,6 @@ run resumes from the partial files without losing or repeating a response.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import json
 import logging
 import random
@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-from dspark.training.prompts import NoUsableData, PromptFilter
+from dspark.training.prompt_order import PromptOrder, cached_prompt_order
+from dspark.training.prompts import NoUsableData
 from dspark.training.shards import (
     Generation,
     PromptSet,
@@ -41,7 +42,6 @@ from dspark.training.shards import (
     target_identity,
     write_shard,
 )
-from dspark.training.sources import DOMAINS, load_source
 from pydantic import BaseModel, ConfigDict, Field
 from tqdm import tqdm
 
@@ -92,39 +92,6 @@ def target_name(target: str) -> str:
     """The name recorded in manifests: a model name as given, a directory by its last component."""
     path = Path(target).expanduser()
     return path.name if path.is_dir() else target
-
-
-@dataclass
-class PromptOrder:
-    prompts: list[dict]  # text, domain, source, prompt_ids; position = prompt index
-    report: dict
-    sha256: str
-
-
-def prompt_order(spec: CorpusSpec, tokenizer, encode) -> PromptOrder:
-    """Every usable prompt of the spec's sources, in the corpus's seeded order."""
-    admitted = PromptFilter(spec.decontaminate, spec.require_eval_sets, spec.ngram)
-    rows = []
-    for source in spec.sources:
-        for prompt in load_source(source):
-            if not admitted.admit(prompt.text):
-                continue
-            ids = encode(tokenizer, prompt.text)
-            if len(ids) > spec.max_prompt_tokens:
-                admitted.report["too_long"] += 1
-                continue
-            rows.append(
-                {"text": prompt.text, "domain": prompt.domain, "source": prompt.source, "prompt_ids": ids}
-            )
-    if not rows:
-        raise NoUsableData(f"corpus sources {spec.sources} yield no usable prompt")
-    random.Random(spec.seed).shuffle(rows)
-    digest = hashlib.sha256()
-    for row in rows:
-        digest.update(json.dumps([row["source"], row["domain"], row["text"]]).encode() + b"\n")
-    report = admitted.report
-    report["selected"] = {d: sum(1 for r in rows if r["domain"] == d) for d in DOMAINS}
-    return PromptOrder(rows, report, digest.hexdigest())
 
 
 def pending_shards(corpus_dir: Path, count: int) -> list[int]:
@@ -245,8 +212,9 @@ def add_shards(
     model_dir = resolve_target(spec.target)
     identity = target_identity(target_name(spec.target), model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    work = work_dir / corpus_dir.resolve().name
     started = time.perf_counter()
-    order = prompt_order(spec, tokenizer, encode_prompt)
+    order = cached_prompt_order(spec, tokenizer, encode_prompt, identity.tokenizer_sha256, work)
     log.info(
         "prompt order: %d prompts %s (%.0f s); dropped for evaluation overlap: %s",
         len(order.prompts),
@@ -290,7 +258,6 @@ def add_shards(
         "prompt_set": prompt_set.model_dump(),
         "generation": generation.model_dump(),
     }
-    work = work_dir / corpus_dir.resolve().name
     logs = {n: PartialLog(work / f"shard-{n:05d}.partial.jsonl", key) for n in todo}
 
     def indices(n: int) -> range:
