@@ -169,7 +169,8 @@ def run(
     type=click.Path(file_okay=False, path_type=Path),
     default=Path("runs/selfdistill"),
     show_default=True,
-    help="Where unfinished shards keep their finished responses (an interrupted run resumes from it).",
+    help="Where unfinished shards keep their finished responses (an interrupted run resumes from it) "
+    "and the prompt order is cached (copy its prompt-order.jsonl.gz to a machine without the sources).",
 )
 @click.option(
     "--threads",
