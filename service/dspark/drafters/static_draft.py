@@ -33,10 +33,8 @@ class StaticBlockHidden:
         weight = model.fc.weight
         self.model, self.device = model, weight.device
         self.greedy_block = greedy_block
-        self.batch_buckets, self.context_buckets = (
-            tuple(sorted(batch_buckets)),
-            tuple(sorted(context_buckets)),
-        )
+        self.batch_buckets = tuple(sorted(batch_buckets))
+        self.context_buckets = tuple(sorted(context_buckets))
         self.max_context = self.context_buckets[-1]
         rows = self.batch_buckets[-1]
         with torch.inference_mode():  # the drafter proposes in inference mode
@@ -81,10 +79,8 @@ class StaticBlockHidden:
     def bucket(self, num_requests: int, max_length: int) -> tuple[int, int] | None:
         """The (requests, context length) bucket, or None when the batch or a context does not fit
         (run eagerly)."""
-        rows, context = (
-            bucket_for(num_requests, self.batch_buckets),
-            bucket_for(max_length, self.context_buckets),
-        )
+        rows = bucket_for(num_requests, self.batch_buckets)
+        context = bucket_for(max_length, self.context_buckets)
         return None if rows is None or context is None else (rows, context)
 
     @torch.inference_mode()
