@@ -95,8 +95,9 @@ class LLMEngine:
 
     def _static_runner(self) -> StaticStepRunner:
         """Buckets of up to max_num_seqs requests x 1 token (plain decode) or 1 + gamma (verification)
-        x key lengths doubling up to max_model_len (the drafter's contexts likewise); graphs are captured here, before the first request, so a bucket set that does not fit is
-        refused at start-up."""
+        x key lengths doubling up to max_model_len (the drafter's contexts likewise); graphs are
+        captured here, before the first request, so a bucket set that does not fit is refused at
+        start-up."""
         buckets = batch_buckets(self.config.max_num_seqs, self.config.cuda_graph_batch_sizes)
         contexts = key_buckets(self.max_model_len)
         gamma = self.drafter.gamma

@@ -11,7 +11,7 @@ from dspark.engine.model_runner import StepForward
 from dspark.engine.request import Request
 from dspark.engine.sampler import SamplingTensors, sample
 from dspark.engine.scheduler import StepPlan
-from dspark.engine.target_logits import process_rows, target_argmax, target_probs
+from dspark.engine.target_logits import ProcessedRows, process_rows, target_argmax, target_probs
 from dspark.engine.verifier import verify_draft_tokens, verify_greedy
 
 
@@ -50,20 +50,15 @@ def _verify_decodes(
     (same result, less work)."""
     tokens = draft.block.tokens[:, :width]
     processed = process_rows(decodes, row_logits, tokens, draft.carried)
-    greedy = all(r.params.greedy for r in decodes)
-    sampling = None if greedy else SamplingTensors.for_requests(decodes, device)
     if width == 0:  # plain decoding: nothing to accept, only the next token (what gamma 0 verifies)
-        if greedy:
-            nexts = target_argmax(row_logits, processed)[:, 0]
-        else:
-            nexts = sample(target_probs(row_logits, sampling, processed)[:, 0], sampling.generators)
-        return [0] * len(decodes), nexts.tolist()
+        return [0] * len(decodes), _next_tokens(decodes, row_logits, processed, device)[:, 0].tolist()
     host_lengths = _verify_lengths(decodes, draft)
-    if greedy:
+    if all(r.params.greedy for r in decodes):
         # Every row verifying the whole width (the `full` policy) needs no budget mask.
         lengths = None if min(host_lengths) == width else torch.tensor(host_lengths, device=device)
         result = verify_greedy(tokens, target_argmax(row_logits, processed), lengths)
     else:
+        sampling = SamplingTensors.for_requests(decodes, device)
         lengths = torch.tensor(host_lengths, device=device)
         probs = draft.block.probs[:, :width] if draft.block.probs is not None else None
         target = target_probs(row_logits, sampling, processed)
@@ -98,12 +93,19 @@ def _first_tokens(
     rows = torch.tensor([row for _, row in completed], device=device)
     logits = forward.output.logits[rows]
     processed = process_rows(done, logits)  # penalties, logit_bias, grammars
-    if all(r.params.greedy for r in done):
-        first = target_argmax(logits, processed).tolist()
-    else:
-        sampling = SamplingTensors.for_requests(done, device)
-        first = sample(target_probs(logits, sampling, processed), sampling.generators).tolist()
+    first = _next_tokens(done, logits, processed, device).tolist()
     return [(r, token, row) for (r, row), token in zip(completed, first, strict=True)]
+
+
+def _next_tokens(
+    requests: list[Request], logits: torch.Tensor, processed: ProcessedRows | None, device: torch.device
+) -> torch.Tensor:
+    """The target's token at every row of logits [R, ..., V]: the argmax for an all-greedy batch
+    (no probabilities), else sampled with each request's parameters and generator."""
+    if all(r.params.greedy for r in requests):
+        return target_argmax(logits, processed)
+    sampling = SamplingTensors.for_requests(requests, device)
+    return sample(target_probs(logits, sampling, processed), sampling.generators)
 
 
 def verification_logits(

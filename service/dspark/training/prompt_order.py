@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dspark.training.prompts import NoUsableData, PromptFilter
+from dspark.training.shards import atomic_write
 from dspark.training.sources import DOMAINS, load_source
 
 if TYPE_CHECKING:
@@ -93,11 +94,9 @@ def cached_prompt_order(
             return order
     order = prompt_order(spec, tokenizer, encode)
     work_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with gzip.open(tmp, "wt") as f:
-        f.write(json.dumps({"key": key, "sha256": order.sha256, "report": order.report}) + "\n")
-        f.writelines(json.dumps(row) + "\n" for row in order.prompts)
-    tmp.replace(path)
+    header = {"key": key, "sha256": order.sha256, "report": order.report}
+    lines = [json.dumps(header), *(json.dumps(row) for row in order.prompts)]
+    atomic_write(path, gzip.compress(("\n".join(lines) + "\n").encode()))
     return order
 
 

@@ -199,12 +199,13 @@ def write_shard(corpus_dir: Path, manifest: ShardManifest, samples: list[Sample]
     manifest = manifest.model_copy(
         update={"dtype": dtype, "num_tokens": len(tokens), "bin_sha256": hashlib.sha256(data).hexdigest()}
     )
-    _atomic_write(bin_path, data)
-    _atomic_write(json_path, (json.dumps(manifest.model_dump(mode="json"), indent=1) + "\n").encode())
+    atomic_write(bin_path, data)
+    atomic_write(json_path, (json.dumps(manifest.model_dump(mode="json"), indent=1) + "\n").encode())
     return bin_path, json_path
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write `path` whole or not at all: a temp file, synced, renamed over it."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
         f.write(data)
