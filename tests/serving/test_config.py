@@ -86,13 +86,7 @@ def test_engine_placement_and_threads_from_flags_and_defaults():
     )
     assert result.exit_code == 0, result.output
     assert "engine_in_thread: true" in result.output and "engine_threads: 3" in result.output
-    # In its own process the engine leaves one of the replica's CPUs to the HTTP side; on a thread
-    # it takes them all; an explicit count wins either way.
-    process = load_config(overrides={"num_cpus_per_replica": 4}, environ={})
-    assert not process.engine_in_thread and process.engine_thread_count() == 3
-    assert load_config(overrides={"num_cpus_per_replica": 1}, environ={}).engine_thread_count() == 1
-    thread = load_config(overrides={"num_cpus_per_replica": 4, "engine_in_thread": True}, environ={})
-    assert thread.engine_thread_count() == 4
-    assert load_config(overrides={"engine_threads": 2}, environ={}).engine_thread_count() == 2
+    # Thread counts per placement: tests/serving/test_threads.py.
+    assert load_config(overrides={"engine_threads": 2}, environ={}).thread_plan().batch == 2
     with pytest.raises(ValueError, match="engine_threads"):
         load_config(overrides={"engine_threads": 0}, environ={})

@@ -57,7 +57,8 @@ SYSTEMS: dict[str, System] = {
         # The engine stepped on a thread of the replica instead of in its own process.
         System("dspark-plain-inthread", "dspark", (*PLAIN, "--engine-in-thread")),
         System("dspark-inthread", "dspark", ("--drafter", "auto", "--policy", "auto", "--engine-in-thread")),
-        # The engine process at 2 intra-op threads instead of the replica's CPUs less one.
+        # The engine process at a fixed thread count instead of the default plan (ServeConfig.thread_plan).
+        System("dspark-plain-threads1", "dspark", (*PLAIN, "--engine-threads", "1")),
         System("dspark-plain-threads2", "dspark", (*PLAIN, "--engine-threads", "2")),
         System("inprocess-plain", "inprocess", ("none", "none")),
         System("inprocess", "inprocess", ("auto", "auto")),

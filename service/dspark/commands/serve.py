@@ -47,7 +47,8 @@ from dspark.serving.config import load_config
 @click.option(
     "--engine-threads",
     type=int,
-    help="Intra-op threads of the engine.  [default: the replica's CPUs, less one in its own process]",
+    help="Intra-op threads of every engine step.  [default: the replica's CPUs, less one in its own "
+    "process; on 2 CPUs 1 for one request, 2 for a batch]",
 )
 @click.option("--host", help="Address to bind.  [default: 127.0.0.1]")
 @click.option("--port", type=int, help="HTTP port.  [default: 8000]")

@@ -16,6 +16,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from dspark.engine.outputs import RequestOutput
+from dspark.serving.config import ServeConfig
 from dspark.serving.engine_messages import (
     SHUTDOWN_REASON,
     AbortRequest,
@@ -27,6 +28,7 @@ from dspark.serving.engine_messages import (
     StepReport,
     Stop,
 )
+from dspark.serving.threads import ThreadPlan
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +40,10 @@ class ReplicaGone(Exception):
 class EngineCore:
     """Steps `engine` while any request is unfinished and sends one `StepReport` per step."""
 
-    def __init__(self, engine: Any, conn: Connection):
+    def __init__(self, engine: Any, conn: Connection, thread_plan: ThreadPlan | None = None):
         self.engine = engine
         self.conn = conn
+        self.thread_plan = thread_plan
         self._live: set[str] = set()
         self._report = StepReport()
         self._sizes = (0, 0)
@@ -117,6 +120,8 @@ class EngineCore:
 
     # Steps and reports ---------------------------------------------------------------------------
     def _step(self) -> None:
+        if self.thread_plan is not None:
+            self.thread_plan.apply(self.engine.num_running + self.engine.num_waiting)
         self.engine.step()
         stats = getattr(self.engine, "last_step_stats", None)
         # A step that scheduled nothing keeps the previous step's stats: never count them twice.
@@ -164,7 +169,7 @@ def load_engine(config: Any) -> Any:
     _log_start_up()
     # No more intra-op threads than the CPUs Ray reserved for this replica: more threads than cores
     # make OpenMP workers of co-located replicas spin against each other (~10x slower on 2 cores).
-    torch.set_num_threads(config.engine_thread_count())
+    torch.set_num_threads(config.thread_plan().batch)
     return engine_from_config(config.engine_config())
 
 
@@ -203,7 +208,8 @@ def main(argv: list[str]) -> int:
         conn.send(info)
     except OSError:
         return 0
-    return EngineCore(engine, conn).run()
+    plan = spec.config.thread_plan() if isinstance(spec.config, ServeConfig) else None
+    return EngineCore(engine, conn, plan).run()
 
 
 if __name__ == "__main__":
