@@ -126,7 +126,8 @@ class ServeConfig(BaseModel):
             return ThreadPlan(cpus, cpus)
         if cpus == 2:
             return ThreadPlan(single=1, batch=2)
-        return ThreadPlan(max(1, cpus - 1), max(1, cpus - 1))
+        threads = max(1, cpus - 1)
+        return ThreadPlan(threads, threads)
 
     def engine_overrides(self) -> dict[str, Any]:
         """The engine settings given explicitly (the rest keep EngineConfig's defaults)."""
