@@ -33,11 +33,16 @@ def documented_curl(doc: str, port: int) -> list[str]:
     return shlex.split(block.replace("\\\n", " ").replace("localhost:8000", f"127.0.0.1:{port}"))
 
 
+def serve_env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "service"), str(ROOT / "operator")])}
+    env.pop("DSPARK_API_KEY", None)
+    return env
+
+
 @pytest.fixture(scope="module")
 def served():
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "service"), str(ROOT / "operator")])}
-    env.pop("DSPARK_API_KEY", None)
+    env = serve_env()
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -111,6 +116,24 @@ def test_openai_parse_with_a_pydantic_model(served):
     assert isinstance(city, City), choice.message.content
     assert City.model_validate_json(choice.message.content) == city
     assert city.name.strip() and city.country.strip() and 0 <= city.population_millions <= 100
+
+
+def test_one_replica_listens_on_the_port_itself(served):
+    proc, port = served
+    listeners = [
+        " ".join(p.cmdline())
+        for p in psutil.Process(proc.pid).children(recursive=True)
+        if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in p.connections("tcp"))
+    ]
+    # Direct ingress: the replica's own server, not Ray's proxy actor, holds the port.
+    assert len(listeners) == 1 and "ServeReplica" in listeners[0], listeners
+
+
+def test_a_second_server_on_a_taken_port_is_refused_before_loading(served):
+    _, port = served
+    cmd = [sys.executable, "-m", "dspark.cli", "serve", "--port", str(port)]
+    r = subprocess.run(cmd, cwd=ROOT, env=serve_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and f"cannot serve on 127.0.0.1:{port}" in r.stderr, r.stderr[-2000:]
 
 
 def test_readme_starts_with_the_serve_command():

@@ -42,6 +42,10 @@ def test_env_json_for_nested_and_config_file_env(tmp_path: Path):
         # Engine settings are checked with the rest, before Ray or a model starts.
         ({"policy": "static:x"}, "policy: policy 'static:K' needs an integer K >= 0"),
         ({"gamma": 0}, "gamma: Input should be greater"),
+        ({"ingress": "haproxy"}, "ingress"),
+        ({"ingress": "direct", "num_replicas": 2}, "several or autoscaled replicas need ingress `proxy`"),
+        ({"ingress": "direct", "autoscaling": {"max_replicas": 1}}, "need ingress `proxy`"),
+        ({"ingress": "direct", "kserve": True}, "--kserve has its own server"),
     ],
 )
 def test_invalid_config_names_the_field(values, needle):

@@ -61,6 +61,12 @@ from dspark.serving.config import load_config
 @click.option(
     "--kserve/--no-kserve", default=None, help="Serve through kserve.ModelServer (v2 + /openai/v1)."
 )
+@click.option(
+    "--ingress",
+    type=click.Choice(["auto", "direct", "proxy"]),
+    help="What accepts HTTP: the one replica itself (direct) or Ray Serve's proxy, which routes "
+    "between replicas.  [default: auto: direct for one fixed replica]",
+)
 @click.option("--print-config", is_flag=True, help="Print the effective configuration and exit.")
 def serve(config_file: Path | None, print_config: bool, **flags) -> None:
     """Serve the target with DSpark speculative decoding over HTTP (OpenAI-compatible API)."""
@@ -74,8 +80,9 @@ def serve(config_file: Path | None, print_config: bool, **flags) -> None:
         return
     from dspark.models.pull import ModelError
     from dspark.serving.launcher import serve_forever
+    from dspark.serving.runtime import PortUnavailable
 
     try:
         serve_forever(config, announce=lambda msg: click.echo(msg, err=True))
-    except ModelError as e:
+    except (ModelError, PortUnavailable) as e:
         raise click.ClickException(str(e)) from e

@@ -5,10 +5,18 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from dspark.engine.config import SELECTION_FIELDS
 from dspark.serving.threads import ThreadPlan
@@ -72,6 +80,11 @@ class ServeConfig(BaseModel):
     kserve: bool = Field(
         False, description="Serve through kserve.ModelServer (OpenAI routes under /openai, v2)."
     )
+    ingress: Literal["auto", "direct", "proxy"] = Field(
+        "auto",
+        description="What accepts HTTP on the port: `direct` the one replica itself, `proxy` Ray Serve's "
+        "HTTP proxy, which routes between replicas; auto: direct for one fixed replica, else proxy.",
+    )
 
     # Load protection.
     max_queue: int = Field(64, ge=0, description="Requests allowed to wait beyond max_num_seqs before 429.")
@@ -99,6 +112,26 @@ class ServeConfig(BaseModel):
         if not v.strip():
             raise ValueError("host must not be empty")
         return v
+
+    @model_validator(mode="after")
+    def _direct_ingress_fits(self) -> ServeConfig:
+        if self.ingress != "direct":
+            return self
+        if self.kserve:
+            raise ValueError("ingress `direct` serves the OpenAI front end; --kserve has its own server")
+        if self.autoscaling is not None or self.num_replicas != 1:
+            raise ValueError(
+                "ingress `direct` binds the port in the one replica; "
+                "several or autoscaled replicas need ingress `proxy`"
+            )
+        return self
+
+    @property
+    def direct_ingress(self) -> bool:
+        """Whether the replica serves HTTP itself (Ray Serve direct ingress), without the proxy hop."""
+        if self.ingress == "auto":
+            return not self.kserve and self.autoscaling is None and self.num_replicas == 1
+        return self.ingress == "direct"
 
     @property
     def max_replicas(self) -> int:

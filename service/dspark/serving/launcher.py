@@ -9,7 +9,13 @@ import signal
 import threading
 
 from dspark.serving.config import ServeConfig
-from dspark.serving.runtime import run_openai_server, shutdown, start_ray
+from dspark.serving.runtime import (
+    check_port_free,
+    ingress_env,
+    run_openai_server,
+    shutdown,
+    start_ray,
+)
 
 log = logging.getLogger(__name__)
 
@@ -27,9 +33,10 @@ def prepare_model(config: ServeConfig) -> None:
 
 def serve_forever(config: ServeConfig, announce=print) -> None:
     """Run the configured front end in the foreground; SIGINT/SIGTERM drain in-flight requests and stop."""
+    check_port_free(config.host, config.port)
     prepare_model(config)
     cpus = max(os.cpu_count() or 1, math.ceil(config.replica_cpus() * config.max_replicas))
-    start_ray(num_cpus=cpus)
+    start_ray(num_cpus=cpus, env=ingress_env(config))
     # After ray.init: Ray's core worker installs a SIGTERM handler that kills the driver on the spot.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:

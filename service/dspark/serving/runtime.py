@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +35,60 @@ def replica_env() -> dict[str, str]:
     return env
 
 
-def start_ray(num_cpus: int | None = None) -> None:
-    """A local Ray instance bound to 127.0.0.1, without the dashboard; reuses one already running."""
+DIRECT_INGRESS_FLAG = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
+
+
+def ingress_env(config: Any) -> dict[str, str]:
+    """Ray Serve settings for the config's ingress. Ray's processes read them once, at their start.
+
+    Direct ingress (Ray Serve's own mode) runs the replica's ASGI app on a uvicorn server in the
+    replica: each streamed token then skips the proxy actor and one Ray streaming hop, half of the
+    HTTP side's CPU per token (docs/serving.md). Ray allocates replica ports from a range; a range of
+    just the server's port puts the one replica on it, and Ray's proxy moves to a spare port.
+    """
+    if not config.direct_ingress:
+        return {}
+    return {
+        DIRECT_INGRESS_FLAG: "1",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(config.port),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(config.port + 1),  # exclusive
+        # Ray holds a direct-ingress replica open this long for a load balancer to deregister it;
+        # nothing sits in front of this one.
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+    }
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise a clear error when something already listens on host:port (Ray would fail obscurely)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise PortUnavailable(f"cannot serve on {host}:{port}: {e.strerror}") from None
+
+
+class PortUnavailable(RuntimeError):
+    """The configured address cannot be bound."""
+
+
+def _spare_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def start_ray(num_cpus: int | None = None, env: dict[str, str] | None = None) -> None:
+    """A local Ray instance bound to 127.0.0.1, without the dashboard; reuses one already running.
+
+    `env` (see `ingress_env`) goes into this process's environment first: Ray's daemons, and so
+    every Serve actor, inherit it.
+    """
     import ray
 
     if ray.is_initialized():
         return
+    os.environ.update(env or {})
     os.environ.setdefault("RAY_worker_niceness", WORKER_NICENESS)
     runtime_env = {"env_vars": replica_env()}
     ray.init(
@@ -53,12 +102,15 @@ def start_ray(num_cpus: int | None = None) -> None:
 
 
 def run_openai_server(config: Any, engine_factory: Any = None, blocking: bool = False) -> None:
-    """Deploy the standalone OpenAI server on Ray Serve's HTTP proxy at config.host:config.port."""
+    """Deploy the standalone OpenAI server at config.host:config.port: in its replica when Ray runs
+    with direct ingress (`ingress_env`), else on Ray Serve's HTTP proxy."""
     from ray import serve
 
     from dspark.serving.deployment import APP_NAME, openai_app
 
-    serve.start(http_options={"host": config.host, "port": config.port})
+    direct = os.environ.get(DIRECT_INGRESS_FLAG) == "1"
+    proxy_port = _spare_port(config.host) if direct else config.port
+    serve.start(http_options={"host": config.host, "port": proxy_port})
     serve.run(openai_app(config, engine_factory), name=APP_NAME, route_prefix="/", blocking=blocking)
 
 
