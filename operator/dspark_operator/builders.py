@@ -181,7 +181,9 @@ def _serving_pod_spec(
     command = ["dspark", "serve", "--target", spec.model.target]
     if spec.model.drafter:
         command += ["--drafter", spec.model.drafter]
-    command += ["--policy", spec.policy, "--dtype", spec.dtype, "--device", "cuda", "--port", str(port)]
+    command += ["--policy", spec.policy, "--dtype", spec.dtype, "--device", "cuda"]
+    # Probes and the Service reach the pod's IP; the server's default host is loopback only.
+    command += ["--host", "0.0.0.0", "--port", str(port)]
     command += list(spec.extra_args)
     env = [
         {"name": "DSPARK_SPS_PROFILE", "value": f"{PROFILE_MOUNT}/{PROFILE_KEY}"},

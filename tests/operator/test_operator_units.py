@@ -215,6 +215,23 @@ def test_the_profiling_job_loads_the_drafter_the_replicas_serve_with():
     assert serve[serve.index("--drafter") + 1] == SERVICE["spec"]["model"]["drafter"]
 
 
+@pytest.mark.parametrize("kind", ["Deployment", "InferenceService"])
+def test_serving_pods_listen_where_probes_and_services_connect(kind):
+    spec = ServiceSpec.model_validate(service(serving={"kind": kind})["spec"])
+    if kind == "Deployment":
+        pod = builders.build_serving_deployment(BODY, spec, spec.tiers[0], "gpu", "H200", "fp", 1)["spec"][
+            "template"
+        ]
+        container = pod["spec"]["containers"][0]
+    else:
+        isvc = builders.build_inference_service(BODY, spec, spec.tiers[0], "gpu", "H200", "fp", 1)
+        container = isvc["spec"]["predictor"]["containers"][0]
+    command = container["command"]
+    # The kubelet's probes and the Service connect to the pod's IP, not its loopback.
+    assert command[command.index("--host") + 1] == "0.0.0.0"
+    assert int(command[command.index("--port") + 1]) == container["ports"][0]["containerPort"]
+
+
 def test_inference_service_is_raw_mode_with_pinned_replicas():
     spec = ServiceSpec.model_validate(service(serving={"kind": "InferenceService"})["spec"])
     isvc = builders.build_inference_service(BODY, spec, spec.tiers[0], "gpu", "H200", "fp", 3)
