@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -211,6 +213,30 @@ def test_cpu_is_charged_to_the_server_process_that_burned_it():
         assert cpu.ms_per_token(1000)["engine"] == pytest.approx(cpu.seconds["engine"], rel=0.01)
     finally:
         stop_group(server, grace_s=0.5)
+
+
+def test_a_second_interrupt_while_draining_still_kills_the_server(monkeypatch):
+    # A server that ignores SIGINT, and an interrupt that arrives while stop_group waits for it.
+    server = subprocess.Popen(["bash", "-c", "trap '' INT; sleep 60 & wait"], start_new_session=True)
+    time.sleep(0.2)
+
+    real_wait, calls = server.wait, []
+
+    def wait(timeout=None):
+        calls.append(timeout)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real_wait(timeout)
+
+    monkeypatch.setattr(server, "wait", wait)
+    family = psutil.Process(server.pid).children(recursive=True)
+    try:
+        stop_group(server, grace_s=30)
+    except KeyboardInterrupt:
+        os.killpg(server.pid, signal.SIGKILL)
+        pytest.fail("the interrupt escaped stop_group before it killed the server")
+    assert calls[0] == 30 and real_wait(10) == -signal.SIGKILL
+    assert not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
 def test_the_cpu_table_gives_ms_per_token_by_role_and_cores_busy():

@@ -157,7 +157,8 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGINT)
-        with contextlib.suppress(subprocess.TimeoutExpired):
+        # A second Ctrl-C or SIGTERM cuts the drain short, never the kill below.
+        with contextlib.suppress(subprocess.TimeoutExpired, KeyboardInterrupt):
             proc.wait(grace_s)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)

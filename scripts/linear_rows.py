@@ -1,0 +1,64 @@
+"""What verifying more rows costs on the CPU: the time of one forward's linear layers at M rows.
+
+SmolLM2-135M's shapes (30 layers of fused QKV, output, gate-up and down projections, and the LM
+head), random fp32 weights, best of 5. `packed` is oneDNN's pre-packed kernel (`PackedLinear` at
+2 or more rows), `dense` is F.linear over an [in, out] copy (`PackedLinear` at one row).
+
+Usage: python scripts/linear_rows.py [--threads 1] [--rows 1,2,3,4,6,8,12,16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+LAYERS = 30
+SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out): qkv, o, gate-up, down
+HEAD = (576, 49152)
+
+
+def _weights(in_f: int, out_f: int) -> tuple[torch.Tensor, torch.Tensor]:
+    w = torch.randn(out_f, in_f)
+    return w.t().contiguous().t(), torch.ops.mkldnn._reorder_linear_weight(w, 16)
+
+
+def forward_ms(rows: int, kind: str, weights, head, reps: int = 5) -> float:
+    xs = [torch.randn(rows, i) for i, _ in SHAPES]
+    xh = torch.randn(rows, HEAD[0])
+
+    def linear(x, pair):
+        if kind == "dense":
+            return F.linear(x, pair[0])
+        return torch.ops.mkldnn._linear_pointwise(x, pair[1], None, "none", [], "")
+
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(LAYERS):
+            for x, pair in zip(xs, weights, strict=True):
+                linear(x, pair)
+        linear(xh, head)
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rows", default="1,2,3,4,6,8,12,16")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    weights = [_weights(i, o) for i, o in SHAPES]
+    head = _weights(*HEAD)
+    print(f"{args.threads} thread(s); linear layers of one forward, ms")
+    print("| rows | dense | packed | dense / packed |\n|---|---|---|---|")
+    for rows in (int(r) for r in args.rows.split(",")):
+        dense, packed = forward_ms(rows, "dense", weights, head), forward_ms(rows, "packed", weights, head)
+        print(f"| {rows} | {dense:.1f} | {packed:.1f} | {dense / packed:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
