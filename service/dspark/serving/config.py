@@ -115,23 +115,25 @@ class ServeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _direct_ingress_fits(self) -> ServeConfig:
-        if self.ingress != "direct":
-            return self
+        if self.ingress == "direct" and (why := self._why_not_direct()):
+            raise ValueError(why)
+        return self
+
+    def _why_not_direct(self) -> str | None:
+        """Why the replica cannot serve HTTP itself, or None when it can."""
         if self.kserve:
-            raise ValueError("ingress `direct` serves the OpenAI front end; --kserve has its own server")
+            return "ingress `direct` serves the OpenAI front end; --kserve has its own server"
         if self.autoscaling is not None or self.num_replicas != 1:
-            raise ValueError(
+            return (
                 "ingress `direct` binds the port in the one replica; "
                 "several or autoscaled replicas need ingress `proxy`"
             )
-        return self
+        return None
 
     @property
     def direct_ingress(self) -> bool:
         """Whether the replica serves HTTP itself (Ray Serve direct ingress), without the proxy hop."""
-        if self.ingress == "auto":
-            return not self.kserve and self.autoscaling is None and self.num_replicas == 1
-        return self.ingress == "direct"
+        return self.ingress == "direct" or (self.ingress == "auto" and self._why_not_direct() is None)
 
     @property
     def max_replicas(self) -> int:

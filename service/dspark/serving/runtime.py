@@ -58,6 +58,10 @@ def ingress_env(config: Any) -> dict[str, str]:
     }
 
 
+class PortUnavailable(RuntimeError):
+    """The configured address cannot be bound."""
+
+
 def check_port_free(host: str, port: int) -> None:
     """Raise a clear error when something already listens on host:port (Ray would fail obscurely)."""
     with socket.socket() as s:
@@ -66,10 +70,6 @@ def check_port_free(host: str, port: int) -> None:
             s.bind((host, port))
         except OSError as e:
             raise PortUnavailable(f"cannot serve on {host}:{port}: {e.strerror}") from None
-
-
-class PortUnavailable(RuntimeError):
-    """The configured address cannot be bound."""
 
 
 def _spare_port(host: str) -> int:
