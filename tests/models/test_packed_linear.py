@@ -6,7 +6,7 @@ import pytest
 import torch
 from dspark.models.kv_cache import KVCache
 from dspark.models.loader import load_target_model
-from dspark.models.packed_linear import PackedLinear, can_pack, pack_linears
+from dspark.models.packed_linear import PackedLinear, can_pack, pack_linears, uses_dense
 from torch import nn
 
 CPU = torch.device("cpu")
@@ -39,7 +39,7 @@ def test_packed_linear_equals_f_linear_at_every_shape(dtype):
     layer = nn.Linear(96, 160, bias=True).to(dtype)
     x = torch.randn(7, 5, 96, dtype=dtype)
     with torch.inference_mode():
-        # Shapes of many rows (the packed kernel), and of one row (the dense copy).
+        # Shapes of many rows (the packed kernel), and of one row (the dense copy in fp32).
         inputs = [x, x[0], x[:, :1], x.transpose(0, 1), x[0, :1], x[0, 0], x[:1, :1]]
         expected = [layer(i) for i in inputs]
         assert pack_linears(layer) == 1
@@ -47,6 +47,13 @@ def test_packed_linear_equals_f_linear_at_every_shape(dtype):
         got = [layer(i) for i in inputs]
     for e, g in zip(expected, got, strict=True):
         torch.testing.assert_close(g, e, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_only_one_fp32_row_reads_the_dense_weight():
+    # bf16 through F.linear reorders the weight on every call: one bf16 row stays packed.
+    assert uses_dense(torch.ones(1, 8)) and uses_dense(torch.ones(8)) and uses_dense(torch.ones(1, 1, 8))
+    assert not uses_dense(torch.ones(2, 8)) and not uses_dense(torch.ones(1, 2, 8))
+    assert not uses_dense(torch.ones(1, 8, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

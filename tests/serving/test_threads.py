@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import multiprocessing
+from types import SimpleNamespace
 
+import dspark.profiling.profiler as profiler
 import pytest
 import torch
 from dspark.engine.sampling_params import SamplingParams
@@ -12,6 +14,8 @@ from dspark.serving.engine_core import EngineCore
 from dspark.serving.engine_messages import AddRequest, Shutdown, StepReport, Stop
 from dspark.serving.threads import ThreadPlan
 
+from tests.profiling.test_profiler_timing import FakeTarget
+from tests.profiling.test_profiler_timing import engine as fake_timing_engine
 from tests.serving.fake_engine import FakeEngine
 
 
@@ -29,11 +33,50 @@ def test_plan_defaults_by_placement_and_cpus():
     # In its own process the engine leaves one CPU to the HTTP side, except on two, where batches
     # take both and a lone request keeps one; on the replica's thread it takes them all.
     assert plan(num_cpus_per_replica=4) == ThreadPlan(3, 3)
-    assert plan(num_cpus_per_replica=2) == ThreadPlan(single=1, batch=2)
+    assert plan(num_cpus_per_replica=2) == ThreadPlan(single=1, batch=2, time_single=True)
     assert plan(num_cpus_per_replica=1) == ThreadPlan(1, 1)
     assert plan(num_cpus_per_replica=4, engine_in_thread=True) == ThreadPlan(4, 4)
     assert plan(num_cpus_per_replica=2, engine_threads=2) == ThreadPlan(2, 2)  # explicit: every step
     assert [ThreadPlan(1, 2).threads(n) for n in (0, 1, 2, 16)] == [1, 1, 2, 2]
+
+
+class ThreadSensitiveTarget(FakeTarget):
+    """A forward that takes `seconds[threads]` on the fake clock."""
+
+    def __init__(self, seconds: dict[int, float]) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def __call__(self, tokens, batch, cache, hidden_layers=()) -> None:
+        self.now += self.seconds.get(torch.get_num_threads(), 0.0)
+        self.calls.append(torch.get_num_threads())
+
+
+@pytest.mark.parametrize("seconds, single", [({1: 2.0, 2: 1.0}, 2), ({1: 1.0, 2: 1.5}, 1)])
+def test_a_lone_requests_threads_are_the_faster_count_timed_on_the_engine(
+    monkeypatch, restore_threads, seconds, single
+):
+    target = ThreadSensitiveTarget(seconds)
+    monkeypatch.setattr(profiler, "time", SimpleNamespace(perf_counter=lambda: target.now))
+    engine = fake_timing_engine(target)
+    engine.has_unfinished_requests = lambda: False
+    engine.max_model_len, engine.config = 64, SimpleNamespace(max_batch_tokens=16)
+    torch.set_num_threads(3)
+
+    plan = ThreadPlan(single=1, batch=2, time_single=True).timed(engine)
+
+    assert plan == ThreadPlan(single=single, batch=2)
+    assert torch.get_num_threads() == 3  # restored
+    timed = [n for n in target.calls if n != 3]  # the context fill runs at the caller's count
+    assert timed.count(1) == timed.count(2) >= 12
+    calls = len(target.calls)
+    assert ThreadPlan(1, 2).timed(engine) == ThreadPlan(1, 2)  # nothing to time: no forward
+    assert len(target.calls) == calls
+
+
+def test_the_faster_count_is_kept_per_plan():
+    assert ThreadPlan(1, 2, time_single=True).fastest_single({1: 0.04, 2: 0.03}) == ThreadPlan(2, 2)
+    assert ThreadPlan(1, 2, time_single=True).fastest_single({1: 0.03, 2: 0.04}) == ThreadPlan(1, 2)
 
 
 def test_engine_core_steps_with_the_plans_threads(restore_threads):

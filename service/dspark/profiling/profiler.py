@@ -129,6 +129,33 @@ def profile_engine(
     )
 
 
+def decode_seconds_by_threads(
+    engine, counts: list[int], context_len: int = 256, repeats: int = 12
+) -> dict[int, float]:
+    """Median seconds of one request's decode forward at each intra-op thread count in `counts`,
+    timed in alternation after two warm-up passes; torch's thread count is restored after."""
+    if engine.has_unfinished_requests():
+        raise RuntimeError("time an idle engine: requests are running")
+    context_len = max(1, min(context_len, engine.max_model_len - 1))
+    _fill_context(engine, 1, context_len)
+    tokens, batch = _verification_input(engine, [1], context_len)
+    before = torch.get_num_threads()
+    times: dict[int, list[float]] = {n: [] for n in counts}
+    try:
+        for i in range(repeats + 2):
+            for n in counts if i % 2 else reversed(counts):
+                torch.set_num_threads(n)
+                sync(engine.device)
+                start = time.perf_counter()
+                engine.runner.forward(tokens, batch, engine.cache, hidden_layers=engine.drafter.target_layers)
+                sync(engine.device)
+                if i >= 2:
+                    times[n].append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
 def _fill_context(engine, requests: int, context_len: int) -> None:
     """Write `context_len` tokens of K/V into the first slots in chunks of the batch budget."""
     chunk = engine.config.max_batch_tokens

@@ -151,8 +151,8 @@ class ServeConfig(BaseModel):
         one to the event loop and the HTTP proxy, as vLLM's CPU engine leaves one to its API server:
         an OpenMP team sharing its cores with them waits at every barrier for a preempted member.
         On two CPUs leaving one halves the compute, so batches take both (1.20x served tokens/s at
-        16 users on a 2-core EPYC, docs/serving.md) and a lone request, a matrix-vector product bound
-        by memory bandwidth, keeps one (two threads were 0.88x there).
+        16 users on a 2-core EPYC, docs/serving.md); a lone request takes whichever of one and two
+        threads runs its forward faster, timed at start-up (it depends on the CPU, `ThreadPlan.timed`).
         """
         if self.engine_threads is not None:
             return ThreadPlan(self.engine_threads, self.engine_threads)
@@ -160,7 +160,7 @@ class ServeConfig(BaseModel):
         if self.engine_in_thread:
             return ThreadPlan(cpus, cpus)
         if cpus == 2:
-            return ThreadPlan(single=1, batch=2)
+            return ThreadPlan(single=1, batch=2, time_single=True)
         threads = max(1, cpus - 1)
         return ThreadPlan(threads, threads)
 

@@ -15,6 +15,7 @@ import sys
 from multiprocessing.connection import Connection
 from typing import Any
 
+from dspark.engine.llm_engine import LLMEngine
 from dspark.engine.outputs import RequestOutput
 from dspark.serving.config import ServeConfig
 from dspark.serving.engine_messages import (
@@ -198,6 +199,7 @@ def main(argv: list[str]) -> int:
         return 0
     try:
         engine = spec.factory(spec.config)
+        plan = _thread_plan(spec.config, engine)
         info = EngineInfo.of(engine)
     except Exception as e:
         log.exception("engine start-up failed")
@@ -208,8 +210,17 @@ def main(argv: list[str]) -> int:
         conn.send(info)
     except OSError:
         return 0
-    plan = spec.config.thread_plan() if isinstance(spec.config, ServeConfig) else None
     return EngineCore(engine, conn, plan).run()
+
+
+def _thread_plan(config: Any, engine: Any) -> ThreadPlan | None:
+    """A served engine's thread plan, with its one-request thread count timed on a CPU engine."""
+    if not isinstance(config, ServeConfig):
+        return None
+    plan = config.thread_plan()
+    if isinstance(engine, LLMEngine) and engine.device.type == "cpu":
+        plan = plan.timed(engine)
+    return plan
 
 
 if __name__ == "__main__":
