@@ -48,6 +48,8 @@ class ThreadPlan:
         log.info(
             "one request steps on %d intra-op threads (decode forward: %s)",
             plan.single,
-            ", ".join(f"{n} threads {s * 1000:.1f} ms" for n, s in sorted(seconds.items())),
+            ", ".join(
+                f"{n} thread{'s' if n > 1 else ''} {s * 1000:.1f} ms" for n, s in sorted(seconds.items())
+            ),
         )
         return plan
