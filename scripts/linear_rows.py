@@ -1,10 +1,11 @@
 """What verifying more rows costs on the CPU: the time of one forward's linear layers at M rows.
 
 SmolLM2-135M's shapes (30 layers of fused QKV, output, gate-up and down projections, and the LM
-head), random fp32 weights, best of 5. `packed` is oneDNN's pre-packed kernel (`PackedLinear` at
-2 or more rows), `dense` is F.linear over an [in, out] copy (`PackedLinear` at one row).
+head), random weights, best of 5. `packed` is oneDNN's pre-packed kernel (`PackedLinear` at 2 or
+more rows, and at one bf16 row), `dense` is F.linear over an [in, out] copy (`PackedLinear` at one
+fp32 row).
 
-Usage: python scripts/linear_rows.py [--threads 1] [--rows 1,2,3,4,6,8,12,16]
+Usage: python scripts/linear_rows.py [--threads 1] [--rows 1,2,3,4,6,8,12,16] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -20,14 +21,15 @@ SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out): qkv, o
 HEAD = (576, 49152)
 
 
-def _weights(in_f: int, out_f: int) -> tuple[torch.Tensor, torch.Tensor]:
-    w = torch.randn(out_f, in_f)
+def _weights(in_f: int, out_f: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    w = torch.randn(out_f, in_f, dtype=dtype)
     return w.t().contiguous().t(), torch.ops.mkldnn._reorder_linear_weight(w, 16)
 
 
 def forward_ms(rows: int, kind: str, weights, head, reps: int = 5) -> float:
-    xs = [torch.randn(rows, i) for i, _ in SHAPES]
-    xh = torch.randn(rows, HEAD[0])
+    dtype = head[0].dtype
+    xs = [torch.randn(rows, i, dtype=dtype) for i, _ in SHAPES]
+    xh = torch.randn(rows, HEAD[0], dtype=dtype)
 
     def linear(x, pair):
         if kind == "dense":
@@ -49,11 +51,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rows", default="1,2,3,4,6,8,12,16")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    weights = [_weights(i, o) for i, o in SHAPES]
-    head = _weights(*HEAD)
-    print(f"{args.threads} thread(s); linear layers of one forward, ms")
+    dtype = getattr(torch, args.dtype)
+    weights = [_weights(i, o, dtype) for i, o in SHAPES]
+    head = _weights(*HEAD, dtype)
+    print(f"{args.threads} thread(s), {args.dtype}; linear layers of one forward, ms")
     print("| rows | dense | packed | dense / packed |\n|---|---|---|---|")
     for rows in (int(r) for r in args.rows.split(",")):
         dense, packed = forward_ms(rows, "dense", weights, head), forward_ms(rows, "packed", weights, head)
