@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dspark.engine.sampler import CDF_BLOCK, SamplingTensors, draw, invert_cdf, logits_to_probs, sample
+from dspark.engine.sampler import (
+    CDF_BLOCK,
+    SamplingTensors,
+    draw,
+    invert_cdf,
+    logits_to_probs,
+    row_argmax,
+    sample,
+)
 from dspark.engine.sampling_params import SamplingParams
 
 
@@ -124,3 +132,14 @@ def test_the_blocked_cdf_never_steps_past_the_mass_at_the_edges():
     tail[:, :3] = 0.1
     assert tail[0].view(2, CDF_BLOCK).sum(-1)[0].item() > tail[0, :3].double().sum().item()
     assert invert_cdf(tail, torch.tensor([1 - 2**-50, 0.1], dtype=torch.float64)).tolist() == [2, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_argmax_is_argmax_with_ties_taken_first(dtype):
+    # Few distinct values: most rows tie at their maximum, as bf16 logits often do.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 4, (16, 3, 257), generator=g).to(dtype)
+    x[0, 0] = 7  # every entry tied
+    assert torch.equal(row_argmax(x), x.argmax(-1))
+    assert torch.equal(row_argmax(x[:, 0]), x[:, 0].argmax(-1))
+    assert row_argmax(x)[0, 0] == 0

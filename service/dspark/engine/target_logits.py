@@ -15,7 +15,7 @@ import torch
 
 from dspark.engine.logits_processors import LogitsProcessors
 from dspark.engine.request import Request
-from dspark.engine.sampler import SamplingTensors, logits_to_probs
+from dspark.engine.sampler import SamplingTensors, logits_to_probs, row_argmax
 from dspark.engine.structured import apply_masks, grammar_masks
 
 
@@ -54,9 +54,9 @@ def process_rows(
 
 def target_argmax(logits: torch.Tensor, processed: ProcessedRows | None) -> torch.Tensor:
     """Greedy targets: the argmax of each row's (processed) logits."""
-    out = logits.argmax(-1)
+    out = row_argmax(logits)
     if processed is not None:
-        out[processed.index] = processed.logits.argmax(-1)
+        out[processed.index] = row_argmax(processed.logits)
     return out
 
 
