@@ -7,6 +7,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from dspark.profiling.profiler import decode_seconds_by_threads
+
 log = logging.getLogger(__name__)
 
 
@@ -39,8 +41,6 @@ class ThreadPlan:
         """`fastest_single` of a one-request decode forward on `engine` at `single` and `batch`
         threads. Whether a second thread pays for one row depends on the CPU: on an AMX Xeon two
         threads ran it 1.5x faster, on an AVX2 EPYC 0.88x."""
-        from dspark.profiling.profiler import decode_seconds_by_threads
-
         if not self.time_single:
             return self
         seconds = decode_seconds_by_threads(engine, sorted({self.single, self.batch}))
