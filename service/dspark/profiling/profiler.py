@@ -52,18 +52,12 @@ def time_forwards(
     bending the curve over the sizes timed during one: on the development CPU two profiles taken
     in a row differed by a median 3-10% per point timed one size after another, 2.5-4.4% interleaved.
     """
-    device = engine.device
     inputs = [_verification_input(engine, lengths, context_len) for lengths in shapes]
     times: list[list[float]] = [[] for _ in shapes]
     order = list(range(len(shapes)))
     while order:
         for i in list(order):
-            tokens, batch = inputs[i]
-            sync(device)
-            start = time.perf_counter()
-            engine.runner.forward(tokens, batch, engine.cache, hidden_layers=engine.drafter.target_layers)
-            sync(device)
-            times[i].append(time.perf_counter() - start)
+            times[i].append(_forward_seconds(engine, *inputs[i]))
             if timed:
                 timed(i, times[i][-1])
             enough = len(times[i]) >= repeats and sum(times[i]) >= min_seconds
@@ -71,6 +65,15 @@ def time_forwards(
                 order.remove(i)
         order.reverse()
     return [statistics.median(t) for t in times]
+
+
+def _forward_seconds(engine, tokens: torch.Tensor, batch: ForwardBatch) -> float:
+    """Wall-clock seconds of one forward of the engine's target, its queued device work included."""
+    sync(engine.device)
+    start = time.perf_counter()
+    engine.runner.forward(tokens, batch, engine.cache, hidden_layers=engine.drafter.target_layers)
+    sync(engine.device)
+    return time.perf_counter() - start
 
 
 def _verification_input(engine, lengths: list[int], context_len: int) -> tuple[torch.Tensor, ForwardBatch]:
@@ -145,12 +148,9 @@ def decode_seconds_by_threads(
         for i in range(repeats + 2):
             for n in counts if i % 2 else reversed(counts):
                 torch.set_num_threads(n)
-                sync(engine.device)
-                start = time.perf_counter()
-                engine.runner.forward(tokens, batch, engine.cache, hidden_layers=engine.drafter.target_layers)
-                sync(engine.device)
+                seconds = _forward_seconds(engine, tokens, batch)
                 if i >= 2:
-                    times[n].append(time.perf_counter() - start)
+                    times[n].append(seconds)
     finally:
         torch.set_num_threads(before)
     return {n: statistics.median(t) for n, t in times.items()}

@@ -15,7 +15,6 @@ import sys
 from multiprocessing.connection import Connection
 from typing import Any
 
-from dspark.engine.llm_engine import LLMEngine
 from dspark.engine.outputs import RequestOutput
 from dspark.serving.config import ServeConfig
 from dspark.serving.engine_messages import (
@@ -215,6 +214,10 @@ def main(argv: list[str]) -> int:
 
 def _thread_plan(config: Any, engine: Any) -> ThreadPlan | None:
     """A served engine's thread plan, with its one-request thread count timed on a CPU engine."""
+    # Here, not at the top: the replica imports this module for `load_engine` and need not load
+    # the engine's modules (they double its import time).
+    from dspark.engine.llm_engine import LLMEngine
+
     if not isinstance(config, ServeConfig):
         return None
     plan = config.thread_plan()

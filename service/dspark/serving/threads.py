@@ -7,8 +7,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from dspark.profiling.profiler import decode_seconds_by_threads
-
 log = logging.getLogger(__name__)
 
 
@@ -43,6 +41,10 @@ class ThreadPlan:
         threads ran it 1.5x faster, on an AVX2 EPYC 0.88x."""
         if not self.time_single:
             return self
+        # Here, not at the top: the profiler imports torch's compiler (about 1.5 s), which the
+        # replica and every reader of a ServeConfig would otherwise load for nothing.
+        from dspark.profiling.profiler import decode_seconds_by_threads
+
         seconds = decode_seconds_by_threads(engine, sorted({self.single, self.batch}))
         plan = self.fastest_single(seconds)
         log.info(
