@@ -1,7 +1,9 @@
 """What verifying more rows costs on the CPU: the time of one forward's linear layers at M rows.
 
 SmolLM2-135M's shapes (30 layers of fused QKV, output, gate-up and down projections, and the LM
-head), random weights, best of 5. `packed` is oneDNN's pre-packed kernel (`PackedLinear` at 2 or
+head), random weights, best of 5. Every layer has weights of its own, as in the model: a forward
+streams all of them from memory, so one layer's weights reused 30 times (in cache) would
+understate the cost. `packed` is oneDNN's pre-packed kernel (`PackedLinear` at 2 or
 more rows, and at one bf16 row), `dense` is F.linear over an [in, out] copy (`PackedLinear` at one
 fp32 row).
 
@@ -26,7 +28,7 @@ def _weights(in_f: int, out_f: int, dtype: torch.dtype) -> tuple[torch.Tensor, t
     return w.t().contiguous().t(), torch.ops.mkldnn._reorder_linear_weight(w, 16)
 
 
-def forward_ms(rows: int, kind: str, weights, head, reps: int = 5) -> float:
+def forward_ms(rows: int, kind: str, layers, head, reps: int = 5) -> float:
     dtype = head[0].dtype
     xs = [torch.randn(rows, i, dtype=dtype) for i, _ in SHAPES]
     xh = torch.randn(rows, HEAD[0], dtype=dtype)
@@ -39,7 +41,7 @@ def forward_ms(rows: int, kind: str, weights, head, reps: int = 5) -> float:
     best = float("inf")
     for _ in range(reps):
         t = time.perf_counter()
-        for _ in range(LAYERS):
+        for weights in layers:
             for x, pair in zip(xs, weights, strict=True):
                 linear(x, pair)
         linear(xh, head)
@@ -55,12 +57,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    weights = [_weights(i, o, dtype) for i, o in SHAPES]
+    layers = [[_weights(i, o, dtype) for i, o in SHAPES] for _ in range(LAYERS)]
     head = _weights(*HEAD, dtype)
     print(f"{args.threads} thread(s), {args.dtype}; linear layers of one forward, ms")
     print("| rows | dense | packed | dense / packed |\n|---|---|---|---|")
     for rows in (int(r) for r in args.rows.split(",")):
-        dense, packed = forward_ms(rows, "dense", weights, head), forward_ms(rows, "packed", weights, head)
+        dense, packed = forward_ms(rows, "dense", layers, head), forward_ms(rows, "packed", layers, head)
         print(f"| {rows} | {dense:.1f} | {packed:.1f} | {dense / packed:.2f} |", flush=True)
 
 
