@@ -192,6 +192,8 @@ class FakeEngine:
         return outputs
 
 
-def fake_engine_factory(config: object = None, **settings) -> FakeEngine:
-    """A FakeEngine for the engine process (`functools.partial(fake_engine_factory, ...)` sets it up)."""
+def fake_engine_factory(config: object = None, build_s: float = 0.0, **settings) -> FakeEngine:
+    """A FakeEngine for the engine process (`functools.partial(fake_engine_factory, ...)` sets it up);
+    `build_s` stands for the minutes a real engine takes to load and compile."""
+    time.sleep(build_s)
     return FakeEngine(**settings)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
+import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -188,6 +190,7 @@ def _log_start_up() -> None:
 def main(argv: list[str]) -> int:
     """Receive the replica's import path and the `EngineSpec`, build the engine, then serve."""
     _log_start_up()
+    parent = os.getppid()
     conn = Connection(int(argv[1]))
     try:
         # The replica's import path first, so a factory it names (a test's fake engine) resolves.
@@ -196,6 +199,7 @@ def main(argv: list[str]) -> int:
         spec: EngineSpec = conn.recv()
     except (EOFError, OSError):
         return 0
+    building = _exit_when_orphaned(parent)
     try:
         engine = spec.factory(spec.config)
         plan = _thread_plan(spec.config, engine)
@@ -205,11 +209,33 @@ def main(argv: list[str]) -> int:
         with contextlib.suppress(OSError):
             conn.send(EngineFailed(f"engine start-up failed: {e}"))
         return 1
+    finally:
+        building.set()  # from here on the pipe is the watchdog
     try:
         conn.send(info)
     except OSError:
         return 0
     return EngineCore(engine, conn, plan).run()
+
+
+def _exit_when_orphaned(parent: int, interval_s: float = 0.5) -> threading.Event:
+    """Exit when the replica that started this process is gone, until the returned event is set.
+
+    Building the engine (loading, compiling, measuring an SPS profile) takes minutes without a look
+    at the pipe; a replica killed meanwhile (Ctrl-C at start-up, a failed health check) must not
+    leave the build holding its memory and cores. Orphans are re-parented, so the parent's pid
+    changes.
+    """
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(interval_s):
+            if os.getppid() != parent:
+                log.warning("the replica exited while the engine was starting; stopping")
+                os._exit(0)
+
+    threading.Thread(target=watch, name="dspark-orphan-watch", daemon=True).start()
+    return done
 
 
 def _thread_plan(config: Any, engine: Any) -> ThreadPlan | None:

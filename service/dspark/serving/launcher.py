@@ -39,11 +39,13 @@ def serve_forever(config: ServeConfig, announce=print) -> None:
     start_ray(num_cpus=cpus, env=ingress_env(config))
     # After ray.init: Ray's core worker installs a SIGTERM handler that kills the driver on the spot.
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    serving = False
     try:
         if config.kserve:
             from dspark.serving.kserve_model import build_kserve_server, deploy_engine_backend
 
             handle, name = deploy_engine_backend(config)
+            serving = True
             announce(
                 f"KServe model `{name}` on http://{config.host}:{config.port} "
                 f"(v2: /v2/models/{name}/infer, OpenAI: /openai/v1)"
@@ -51,15 +53,18 @@ def serve_forever(config: ServeConfig, announce=print) -> None:
             build_kserve_server(config, handle, name).run()
         else:
             run_openai_server(config)
+            serving = True
             announce(
                 f"DSpark Serve on http://{config.host}:{config.port} (OpenAI API under /v1); Ctrl-C stops it"
             )
             threading.Event().wait()
     except KeyboardInterrupt:
-        announce("shutting down: draining in-flight requests")
+        announce(
+            "shutting down: draining in-flight requests" if serving else "stopping before start-up finished"
+        )
     finally:
         # Ray re-delivers pending signals while it waits; the drain must not be cut short by them.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
-        shutdown()
+        shutdown(drain=serving)
         announce("stopped")

@@ -114,12 +114,14 @@ def run_openai_server(config: Any, engine_factory: Any = None, blocking: bool = 
     serve.run(openai_app(config, engine_factory), name=APP_NAME, route_prefix="/", blocking=blocking)
 
 
-def shutdown() -> None:
-    """Drain, then stop Serve and Ray.
+def shutdown(drain: bool = True) -> None:
+    """Drain, then stop Serve and Ray; without `drain`, stop Ray at once.
 
     Deleting the application first lets each replica finish its in-flight requests (up to
     graceful_shutdown_timeout_s) while the HTTP proxy is still there to carry their responses;
-    `serve.shutdown()` alone would stop the proxy under them.
+    `serve.shutdown()` alone would stop the proxy under them. A server stopped before it served
+    has nothing to drain, and a replica still loading its engine would hold the drain for the whole
+    grace period.
     """
     import ray
     from ray import serve
@@ -127,6 +129,9 @@ def shutdown() -> None:
     from dspark.serving.deployment import APP_NAME
 
     if not ray.is_initialized():
+        return
+    if not drain:
+        ray.shutdown()
         return
     try:
         if APP_NAME in serve.status().applications:
