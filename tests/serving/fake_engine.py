@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 
 from dspark.engine.outputs import RequestOutput, RequestStats, StepStats, TokenLogprob
@@ -192,8 +193,13 @@ class FakeEngine:
         return outputs
 
 
-def fake_engine_factory(config: object = None, build_s: float = 0.0, **settings) -> FakeEngine:
+def fake_engine_factory(
+    config: object = None, build_s: float = 0.0, building_marker: str | None = None, **settings
+) -> FakeEngine:
     """A FakeEngine for the engine process (`functools.partial(fake_engine_factory, ...)` sets it up);
-    `build_s` stands for the minutes a real engine takes to load and compile."""
+    `build_s` stands for the minutes a real engine takes to load and compile, and the file
+    `building_marker` is created when they begin."""
+    if building_marker:
+        Path(building_marker).touch()
     time.sleep(build_s)
     return FakeEngine(**settings)

@@ -4,6 +4,7 @@ second process adds: one hand-over per step, engine death, start-up failure, no 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import signal
@@ -236,28 +237,31 @@ def test_the_engine_process_dies_with_its_replica(tmp_path):
         replica.wait()
 
 
-def test_an_engine_still_building_dies_with_its_replica():
+def test_an_engine_still_building_dies_with_its_replica(tmp_path):
     """Loading and compiling take minutes without a look at the pipe: a replica killed meanwhile
     (Ctrl-C at start-up, a failed health check) must not leave the build running."""
+    marker = tmp_path / "building"
     script = (
-        "import functools, time\n"
+        "import functools\n"
         "from dspark.serving.engine_process import EngineProcess\n"
         "from tests.serving.fake_engine import fake_engine_factory\n"
-        "EngineProcess(functools.partial(fake_engine_factory, build_s=600), None)\n"
+        f"EngineProcess(functools.partial(fake_engine_factory, build_s=600, building_marker={str(marker)!r}), None)\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "service"), str(ROOT)])}
     replica = subprocess.Popen([sys.executable, "-c", script], env=env)
+    children: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 60
-        children: list[psutil.Process] = []
-        while not children and time.monotonic() < deadline:
+        while not marker.exists() and time.monotonic() < deadline:
             time.sleep(0.2)
-            children = psutil.Process(replica.pid).children()
-        assert children, "the replica started no engine process"
-        time.sleep(3)  # inside the 600 s build by now
+        assert marker.exists(), "the engine never started building"
+        children = psutil.Process(replica.pid).children()
         replica.kill()
         replica.wait(10)
         children[0].wait(10)  # raises TimeoutExpired if the build outlived its replica
     finally:
         replica.kill()
         replica.wait()
+        for child in children:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
