@@ -213,19 +213,28 @@ def test_start_up_failure_is_raised_with_the_engines_message():
         EngineProcess(functools.partial(fake_engine_factory, gpus=8), None)
 
 
-def test_the_engine_process_dies_with_its_replica(tmp_path):
-    """A replica killed outright (no shutdown) leaves no engine process behind."""
+def _replica(body: str, **popen: object) -> subprocess.Popen:
+    """A stand-in replica: a Python process that runs `body` with EngineProcess and the fake engine
+    factory imported."""
     script = (
-        "import sys, time\n"
+        "import functools, sys, time\n"
         "from dspark.serving.engine_process import EngineProcess\n"
         "from tests.serving.fake_engine import fake_engine_factory\n"
+    ) + body
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "service"), str(ROOT)])}
+    return subprocess.Popen([sys.executable, "-c", script], env=env, **popen)
+
+
+def test_the_engine_process_dies_with_its_replica(tmp_path):
+    """A replica killed outright (no shutdown) leaves no engine process behind."""
+    replica = _replica(
         "proc = EngineProcess(fake_engine_factory, None)\n"
         "proc.start()\n"
         "print(proc.pid, flush=True)\n"
-        "time.sleep(600)\n"
+        "time.sleep(600)\n",
+        stdout=subprocess.PIPE,
+        text=True,
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "service"), str(ROOT)])}
-    replica = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
     try:
         child = psutil.Process(int(replica.stdout.readline()))
         assert child.is_running() and child.ppid() == replica.pid
@@ -241,14 +250,9 @@ def test_an_engine_still_building_dies_with_its_replica(tmp_path):
     """Loading and compiling take minutes without a look at the pipe: a replica killed meanwhile
     (Ctrl-C at start-up, a failed health check) must not leave the build running."""
     marker = tmp_path / "building"
-    script = (
-        "import functools\n"
-        "from dspark.serving.engine_process import EngineProcess\n"
-        "from tests.serving.fake_engine import fake_engine_factory\n"
+    replica = _replica(
         f"EngineProcess(functools.partial(fake_engine_factory, build_s=600, building_marker={str(marker)!r}), None)\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "service"), str(ROOT)])}
-    replica = subprocess.Popen([sys.executable, "-c", script], env=env)
     children: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 60
