@@ -23,7 +23,7 @@ from dspark.bench.peer import (
     format_cpu_table,
     format_table,
     free_port,
-    measure_inprocess,
+    measure_in_this_process,
     running_server,
     server_command,
     stop_group,
@@ -184,7 +184,7 @@ def test_an_inprocess_thread_count_applies_to_its_system_only(monkeypatch):
     try:
         for name in ("inprocess-plain-threads1", "inprocess-plain"):
             with pytest.raises(RuntimeError):
-                measure_inprocess(SYSTEMS[name], [1], {1: 8}, 8, "float32")
+                measure_in_this_process(SYSTEMS[name], [1], {1: 8}, 8, "float32")
         assert seen == [1, 2] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dspark.bench.cpu_share import ROLES, measure_cpu, process_cpu_seconds
+from dspark.bench.fresh_process import in_fresh_process
 from dspark.bench.http_load import LevelResult, run_level, wait_until_serving
 from dspark.prompts.builtin import BUILTIN_PROMPTS
 
@@ -203,7 +204,14 @@ def measure_server(
 def measure_inprocess(
     system: System, levels: list[int], requests_per_level: dict[int, int], max_tokens: int, dtype: str
 ) -> list[LevelResult]:
-    """The same prompts and lengths on the engine in this process: no HTTP, no Ray."""
+    """The same prompts and lengths on the engine alone, in a fresh process: no HTTP, no Ray."""
+    return in_fresh_process(measure_in_this_process, system, levels, requests_per_level, max_tokens, dtype)
+
+
+def measure_in_this_process(
+    system: System, levels: list[int], requests_per_level: dict[int, int], max_tokens: int, dtype: str
+) -> list[LevelResult]:
+    """`measure_inprocess` in the calling process."""
     import torch
 
     from dspark.builder import engine_from_config
