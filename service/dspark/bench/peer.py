@@ -225,7 +225,7 @@ def measure_in_this_process(
         engine = engine_from_config(EngineConfig(drafter=drafter, policy=policy, dtype=dtype))
         return _closed_loops(engine, levels, requests_per_level, max_tokens)
     finally:
-        torch.set_num_threads(default_threads)  # the next in-process system starts from the default
+        torch.set_num_threads(default_threads)  # the caller's count, not the system's, afterwards
 
 
 def _closed_loops(

@@ -23,31 +23,30 @@ def _code_path() -> str:
     return os.pathsep.join([here, rest] if rest else [here])
 
 
-# Ray starts its workers at nice 15, as background tasks; a serving replica is the hot path, and at
-# nice 15 anything else on the node (the HTTP proxy, a load generator) preempts its engine thread.
-WORKER_NICENESS = "0"
+DAEMON_ENV = {
+    # Ray starts its workers at nice 15, as background tasks; a serving replica is the hot path, and
+    # at nice 15 anything else on the node (the HTTP proxy, a load generator) preempts its engine.
+    "RAY_worker_niceness": "0",
+    # Serve's controller reconciles every 0.1 s by default: 27 ms of CPU a second on an idle server,
+    # with 21 more in the GCS it polls; 0.5 s cuts the pair to 22 (docs/serving.md). Autoscaling
+    # waits 30 s before it scales up, so a reconcile 0.4 s later changes no decision.
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+}
 
-# Serve's controller reconciles every 0.1 s by default: 27 ms of CPU a second on an idle server, with
-# 21 more in the GCS it polls; 0.5 s cuts the pair to 22 (docs/serving.md). Autoscaling waits 30 s
-# before it scales up, so a reconcile 0.4 s later changes no decision.
-CONTROL_LOOP_INTERVAL_S = "0.5"
+
+def _unless_set(defaults: Mapping[str, str], environ: Mapping[str, str]) -> dict[str, str]:
+    return {k: environ.get(k, v) for k, v in defaults.items()}
 
 
 def daemon_env(environ: Mapping[str, str]) -> dict[str, str]:
     """Ray settings for its daemons and workers (read at their start); a value set in `environ` wins."""
-    defaults = {
-        "RAY_worker_niceness": WORKER_NICENESS,
-        "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": CONTROL_LOOP_INTERVAL_S,
-    }
-    return {k: environ.get(k, v) for k, v in defaults.items()}
+    return _unless_set(DAEMON_ENV, environ)
 
 
 def replica_env() -> dict[str, str]:
     """Environment of the replica processes: the code path, and OpenMP settings unless set already
     (`dspark.OPENMP_ENV`: a replica may load torch before it imports dspark)."""
-    env = {"PYTHONPATH": _code_path()}
-    env.update({k: os.environ.get(k, v) for k, v in OPENMP_ENV.items()})
-    return env
+    return {"PYTHONPATH": _code_path(), **_unless_set(OPENMP_ENV, os.environ)}
 
 
 DIRECT_INGRESS_FLAG = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
