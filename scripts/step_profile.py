@@ -2,7 +2,7 @@
 step for each policy and concurrency, and a torch.profiler table of the busiest operators at the
 highest concurrency.
 
-Usage: python scripts/step_profile.py --device cuda --out runs/gpu/steps [--target DIR_OR_NAME]
+Usage: python scripts/step_profile.py --device cuda --out runs/gpu/steps [--target DIR_OR_NAME] [--warm-steps N]
   [--no-cuda-graphs]   (CUDA graphs are on by default on CUDA: compare the two)
   [--single-key-bucket]   (graphs attend over all of max_model_len, not the shortest key-length
                            bucket that holds the batch's contexts: what key buckets save)
@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from dspark.builder import engine_from_config, sibling_engine
@@ -20,6 +22,7 @@ from dspark.drafters.ngram import NoDrafter
 from dspark.engine import llm_engine
 from dspark.engine.config import EngineConfig
 from dspark.engine.sampling_params import SamplingParams
+from dspark.models.compiled_forward import CompiledForward
 from dspark.policies.factory import build_policy
 from dspark.profiling.operators import OperatorCount
 from dspark.profiling.profiler import sync
@@ -33,6 +36,12 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument(
+        "--warm-steps",
+        type=int,
+        default=8,
+        help="steps before timing: past the prefill; more grow the contexts",
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/gpu/steps"))
     parser.add_argument(
         "--cuda-graphs", action=argparse.BooleanOptionalAction, default=None, help="default: on for CUDA"
@@ -66,7 +75,7 @@ def main() -> None:
             engine = sibling_engine(base, drafter, build_policy(policy), max_num_seqs=c)
             for _ in range(c):
                 engine.add_request(prompt, params)
-            for _ in range(8):  # past the prefill
+            for _ in range(args.warm_steps):
                 engine.step()
             sync(base.device)
             start, forward = time.perf_counter(), 0.0
@@ -75,7 +84,9 @@ def main() -> None:
                 forward += engine.last_step_stats.forward_time_s
             sync(base.device)
             step = (time.perf_counter() - start) / args.steps
-            with OperatorCount() as ops:
+            if c == levels[-1]:
+                _profile(engine, base.device, args.out / f"ops-{policy}.txt")
+            with OperatorCount() as ops, _eager_forward(engine):
                 engine.step()
             captured = engine.static_runner is not None and engine.static_runner.graphs.num_graphs > 0
             results[f"{policy}@{c}"] = {
@@ -86,19 +97,35 @@ def main() -> None:
                 "kernels_per_step": ops.computing,
             }
             print(policy, c, results[f"{policy}@{c}"], flush=True)
-            if c == levels[-1]:
-                activities = [ProfilerActivity.CPU]
-                if base.device.type == "cuda":
-                    activities.append(ProfilerActivity.CUDA)
-                with profile(activities=activities) as prof:
-                    for _ in range(5):
-                        engine.step()
-                    sync(base.device)
-                table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
-                (args.out / f"ops-{policy}.txt").write_text(table)
             for request_id in list(engine.requests):
                 engine.abort_request(request_id)
     (args.out / "steps.json").write_text(json.dumps(results, indent=1))
+
+
+@contextmanager
+def _eager_forward(engine) -> Iterator[None]:
+    """The target's eager forward: operators are counted under a dispatch mode, which a compiled
+    forward refuses (and dynamo then skips its frames for good)."""
+    runner = engine.runner
+    compiled = runner.forward
+    if isinstance(compiled, CompiledForward):
+        runner.forward = compiled.model
+    try:
+        yield
+    finally:
+        runner.forward = compiled
+
+
+def _profile(engine, device, path: Path) -> None:
+    """The busiest operators of five steps, by self CPU time."""
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        for _ in range(5):
+            engine.step()
+        sync(device)
+    path.write_text(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
 
 
 if __name__ == "__main__":
