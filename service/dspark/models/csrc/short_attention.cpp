@@ -1,0 +1,192 @@
+// Attention of decode and verification rows on the CPU: a few queries per request against its
+// cache prefix, with grouped-query heads.
+//
+// One task per (request, KV head). Keys and values stream through a block of W rows converted to
+// fp32 (W = the vector width), which every query of the group reads from L1: each key is read
+// from the cache once for all its query heads and rows. Scores, softmax and the weighted sum are
+// fp32; the output is rounded once. A query's result depends only on its own mask row, never on
+// the batch's other rows or its longest context (masked and padding keys weigh exactly zero, and
+// every sum runs in the same order), so a token gets the same bits decoded alone or verified in a
+// block.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t W = Vec::size();
+
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+}
+
+// bf16 is the top half of an fp32: a shift the compiler vectorises, where the scalar cast is not.
+template <>
+inline void to_float(const at::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t d = 0; d < n; ++d) {
+    const uint32_t wide = static_cast<uint32_t>(bits[d]) << 16;
+    std::memcpy(dst + d, &wide, sizeof(float));
+  }
+}
+
+// Lane j of the result is the sum of x[j]'s lanes: log2(W) levels of pairwise sums of
+// deinterleaved halves, W - 1 shuffles for W dot products instead of W full reductions.
+inline Vec lane_sums(Vec* x) {
+  for (int64_t width = W; width > 1; width /= 2) {
+    for (int64_t j = 0; j < width / 2; ++j) {
+      auto halves = at::vec::deinterleave2(x[2 * j], x[2 * j + 1]);
+      x[j] = halves.first + halves.second;
+    }
+  }
+  return x[0];
+}
+
+// Rows [l0, l0 + W) of a [L, dim] head as fp32; rows past `length` are zero.
+template <typename T>
+inline void load_block(const T* base, int64_t row_stride, int64_t l0, int64_t length, int64_t dim, float* block) {
+  const int64_t rows = std::min<int64_t>(W, length - l0);
+  for (int64_t j = 0; j < rows; ++j) to_float(base + (l0 + j) * row_stride, block + j * dim, dim);
+  std::fill(block + rows * dim, block + W * dim, 0.f);
+}
+
+template <typename T, int C>
+void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask, at::Tensor& out,
+         double scale) {
+  constexpr int64_t dim = C * W;
+  const int64_t rows = q.size(0), heads = q.size(1), n = q.size(2);
+  const int64_t kv_heads = k.size(1), length = k.size(2), group = heads / kv_heads;
+  const int64_t queries = group * n, padded = (length + W - 1) / W * W;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  const bool* mp = mask.data_ptr<bool>();
+  T* op = out.data_ptr<T>();
+  const auto qs = q.strides(), ks = k.strides(), vs = v.strides(), ms = mask.strides(), os = out.strides();
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(queries * dim), block(W * dim), scores(queries * padded), acc(queries * dim);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / kv_heads, h = task % kv_heads;
+      // Query i is head h * group + i / n at row i % n, scaled once here.
+      for (int64_t i = 0; i < queries; ++i) {
+        to_float(qp + r * qs[0] + (h * group + i / n) * qs[1] + (i % n) * qs[2], qf.data() + i * dim, dim);
+        for (int64_t c = 0; c < C; ++c) {
+          (Vec::loadu(qf.data() + i * dim + c * W) * Vec(static_cast<float>(scale))).store(qf.data() + i * dim + c * W);
+        }
+      }
+      const T* kb = kp + r * ks[0] + h * ks[1];
+      const T* vb = vp + r * vs[0] + h * vs[1];
+      for (int64_t l0 = 0; l0 < padded; l0 += W) {
+        load_block(kb, ks[2], l0, length, dim, block.data());
+        for (int64_t i = 0; i < queries; ++i) {
+          Vec qi[C];
+          for (int64_t c = 0; c < C; ++c) qi[c] = Vec::loadu(qf.data() + i * dim + c * W);
+          Vec part[W];
+          for (int64_t j = 0; j < W; ++j) {
+            const float* key = block.data() + j * dim;
+            Vec sum = qi[0] * Vec::loadu(key);
+            for (int64_t c = 1; c < C; ++c) sum = at::vec::fmadd(qi[c], Vec::loadu(key + c * W), sum);
+            part[j] = sum;
+          }
+          lane_sums(part).store(scores.data() + i * padded + l0);
+        }
+      }
+      const bool* mb = mp + r * ms[0];
+      for (int64_t i = 0; i < queries; ++i) {
+        float* s = scores.data() + i * padded;
+        const bool* seen = mb + (i % n) * ms[1];
+        for (int64_t l = 0; l < length; ++l) {
+          if (!seen[l * ms[2]]) s[l] = minus_inf;
+        }
+        std::fill(s + length, s + padded, minus_inf);
+        Vec top(minus_inf);
+        for (int64_t l = 0; l < padded; l += W) top = at::vec::maximum(top, Vec::loadu(s + l));
+        const Vec shift(at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, top));
+        Vec total(0.f);
+        for (int64_t l = 0; l < padded; l += W) {
+          const Vec x = Vec::loadu(s + l);
+          // exp_u20 maps -inf to a tiny positive number: masked keys must weigh exactly zero.
+          const Vec e = Vec::blendv((x - shift).exp_u20(), Vec(0.f), x == Vec(minus_inf));
+          e.store(s + l);
+          total = total + e;
+        }
+        const Vec norm(1.f / at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, total));
+        for (int64_t l = 0; l < padded; l += W) (Vec::loadu(s + l) * norm).store(s + l);
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t l0 = 0; l0 < padded; l0 += W) {
+        load_block(vb, vs[2], l0, length, dim, block.data());
+        for (int64_t i = 0; i < queries; ++i) {
+          const float* p = scores.data() + i * padded + l0;
+          float* a = acc.data() + i * dim;
+          Vec sum[C];
+          for (int64_t c = 0; c < C; ++c) sum[c] = Vec::loadu(a + c * W);
+          for (int64_t j = 0; j < W; ++j) {
+            const Vec weight(p[j]);
+            const float* value = block.data() + j * dim;
+            for (int64_t c = 0; c < C; ++c) sum[c] = at::vec::fmadd(weight, Vec::loadu(value + c * W), sum[c]);
+          }
+          for (int64_t c = 0; c < C; ++c) sum[c].store(a + c * W);
+        }
+      }
+      for (int64_t i = 0; i < queries; ++i) {
+        T* dst = op + r * os[0] + (h * group + i / n) * os[1] + (i % n) * os[2];
+        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[i * dim + d]);
+      }
+    }
+  });
+}
+
+template <typename T>
+void run_for_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                 at::Tensor& out, double scale) {
+  switch (q.size(3) / W) {
+    case 1: return run<T, 1>(q, k, v, mask, out, scale);
+    case 2: return run<T, 2>(q, k, v, mask, out, scale);
+    case 4: return run<T, 4>(q, k, v, mask, out, scale);
+    case 8: return run<T, 8>(q, k, v, mask, out, scale);
+    case 16: return run<T, 16>(q, k, v, mask, out, scale);
+    default: TORCH_CHECK(false, "unsupported head dim ", q.size(3));
+  }
+}
+
+}  // namespace
+
+int64_t vector_width() { return W; }
+
+// q [R, H, n, D], k / v [R, KVH, L, D] (D contiguous), mask [R, n, L] (True = attend; every row
+// attends at least one key). Returns [R, H, n, D] in q's dtype.
+at::Tensor short_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                           double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 3, "bad ranks");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "head dim must be contiguous");
+  TORCH_CHECK(k.sizes() == v.sizes() && q.size(0) == k.size(0) && q.size(3) == k.size(3), "shapes differ");
+  TORCH_CHECK(q.size(1) % k.size(1) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(q.size(3) % W == 0, "head dim must be a multiple of ", W);
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.size(0) == q.size(0) && mask.size(1) == q.size(2) &&
+                  mask.size(2) == k.size(2),
+              "mask must be bool [R, n, L]");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "dtypes differ");
+  auto out = at::empty(q.sizes(), q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "short_attention",
+                                  [&] { run_for_dim<scalar_t>(q, k, v, mask, out, scale); });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("short_attention", &short_attention);
+  m.def("vector_width", &vector_width);
+}
