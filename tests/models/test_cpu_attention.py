@@ -102,7 +102,11 @@ def test_steps_aside_where_it_does_not_apply(kernel, monkeypatch):
         is None
     )
     monkeypatch.setenv("DSPARK_CPU_ATTENTION", "sdpa")
-    assert short_attention(q, k, v, mask) is None
+    cpu_attention.short_attention_kernel.cache_clear()
+    try:
+        assert short_attention(q, k, v, mask) is None
+    finally:
+        cpu_attention.short_attention_kernel.cache_clear()
 
 
 def test_a_failed_build_falls_back_with_a_warning(monkeypatch, caplog):
@@ -113,6 +117,7 @@ def test_a_failed_build_falls_back_with_a_warning(monkeypatch, caplog):
 
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     cpu_attention._build.cache_clear()
+    cpu_attention.short_attention_kernel.cache_clear()
     try:
         q, k, v, mask = rows_case(2, 1, 40, torch.float32)
         with caplog.at_level(logging.WARNING, logger="dspark.models.cpu_attention"):
@@ -120,3 +125,4 @@ def test_a_failed_build_falls_back_with_a_warning(monkeypatch, caplog):
         assert "g++: command not found" in caplog.text
     finally:
         cpu_attention._build.cache_clear()
+        cpu_attention.short_attention_kernel.cache_clear()

@@ -42,7 +42,7 @@ def _build_flags() -> list[str]:
 
 
 @functools.cache
-def _build() -> tuple[Kernel, int] | None:
+def _build() -> tuple[Kernel, frozenset[int]] | None:
     from torch.utils import cpp_extension
 
     started = time.perf_counter()
@@ -57,11 +57,13 @@ def _build() -> tuple[Kernel, int] | None:
         log.warning("the CPU attention kernel did not build, attention runs through SDPA: %s", e)
         return None
     log.info("built the CPU attention kernel in %.1f s", time.perf_counter() - started)
-    return module.short_attention, module.vector_width()
+    return module.short_attention, frozenset(module.head_dims())
 
 
-def short_attention_kernel() -> tuple[Kernel, int] | None:
-    """The kernel and its vector width, or None where it is turned off or cannot build."""
+@functools.cache
+def short_attention_kernel() -> tuple[Kernel, frozenset[int]] | None:
+    """The kernel and the head dims it takes, or None where it is turned off or cannot build.
+    Read once, not per call: `cache_clear()` after changing `DSPARK_CPU_ATTENTION`."""
     if os.environ.get("DSPARK_CPU_ATTENTION", "kernel") == "sdpa":
         return None
     return _build()
@@ -80,11 +82,8 @@ def short_attention(
     if mask is not None and mask.dtype != torch.bool:
         return None
     built = short_attention_kernel()
-    if built is None:
+    if built is None or dim not in built[1]:
         return None
-    kernel, width = built
-    if dim % width or dim // width not in (1, 2, 4, 8, 16):
-        return None
-    if mask is None:
-        mask = _EVERY_KEY
-    return kernel(q, k, v, mask[:, 0].expand(rows, n, k.shape[2]), dim**-0.5)
+    return built[0](
+        q, k, v, (_EVERY_KEY if mask is None else mask)[:, 0].expand(rows, n, k.shape[2]), dim**-0.5
+    )

@@ -150,6 +150,9 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   });
 }
 
+// Head dims with a compiled instance: whole numbers of vectors, held in registers.
+constexpr int64_t kChunks[] = {1, 2, 4, 8, 16};
+
 template <typename T>
 void run_for_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
                  at::Tensor& out, double scale) {
@@ -165,7 +168,11 @@ void run_for_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 
 }  // namespace
 
-int64_t vector_width() { return W; }
+std::vector<int64_t> head_dims() {
+  std::vector<int64_t> dims;
+  for (int64_t chunks : kChunks) dims.push_back(chunks * W);
+  return dims;
+}
 
 // q [R, H, n, D], k / v [R, KVH, L, D] (D contiguous), mask [R, n, L] (True = attend; every row
 // attends at least one key). Returns [R, H, n, D] in q's dtype.
@@ -175,7 +182,6 @@ at::Tensor short_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "head dim must be contiguous");
   TORCH_CHECK(k.sizes() == v.sizes() && q.size(0) == k.size(0) && q.size(3) == k.size(3), "shapes differ");
   TORCH_CHECK(q.size(1) % k.size(1) == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(q.size(3) % W == 0, "head dim must be a multiple of ", W);
   TORCH_CHECK(mask.scalar_type() == at::kBool && mask.size(0) == q.size(0) && mask.size(1) == q.size(2) &&
                   mask.size(2) == k.size(2),
               "mask must be bool [R, n, L]");
@@ -188,5 +194,5 @@ at::Tensor short_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("short_attention", &short_attention);
-  m.def("vector_width", &vector_width);
+  m.def("head_dims", &head_dims);
 }
