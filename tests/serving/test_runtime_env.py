@@ -2,10 +2,31 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 from dspark.serving.runtime import daemon_env
 
+DEFAULTS = {
+    "RAY_worker_niceness": "0",
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+}
 
-def test_ray_daemons_reconcile_every_half_second_unless_told_otherwise():
-    assert daemon_env({}) == {"RAY_worker_niceness": "0", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5"}
+
+def test_ray_daemons_get_the_serving_settings_unless_told_otherwise():
+    assert daemon_env({}) == DEFAULTS
     told = daemon_env({"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1", "RAY_worker_niceness": "5"})
-    assert told == {"RAY_worker_niceness": "5", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1"}
+    assert told == {**DEFAULTS, "RAY_worker_niceness": "5", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1"}
+
+
+def test_the_installed_ray_serve_reads_the_settings():
+    # A Ray release that renamed a setting would ignore it silently; its constants module must see each.
+    env = {**os.environ, **DEFAULTS}
+    code = (
+        "from ray.serve._private import constants as c;"
+        "print(c.CONTROL_LOOP_INTERVAL_S, c.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["0.5", "False"]
