@@ -32,9 +32,9 @@ DAEMON_ENV = {
     # waits 30 s before it scales up, so a reconcile 0.4 s later changes no decision.
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
     # Serve runs a replica's own code on a second event loop in a thread by default, so every
-    # streamed token crosses threads (and the GIL) twice; one loop cuts the replica's CPU per token
-    # by a quarter (docs/serving.md). The constructor then blocks Ray's loop while the engine
-    # loads, which only delays the replica's first health check.
+    # streamed token crosses from that loop to Ray's, which owns the HTTP server; one loop cuts the
+    # replica's CPU per token by about a fifth (docs/serving.md). The constructor then holds Ray's
+    # loop while the engine loads, which only delays the replica's first health check.
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
 }
 
