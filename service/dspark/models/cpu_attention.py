@@ -82,8 +82,11 @@ def short_attention(
     if mask is not None and mask.dtype != torch.bool:
         return None
     built = short_attention_kernel()
-    if built is None or dim not in built[1]:
+    if built is None:
         return None
-    return built[0](
-        q, k, v, (_EVERY_KEY if mask is None else mask)[:, 0].expand(rows, n, k.shape[2]), dim**-0.5
-    )
+    kernel, head_dims = built
+    if dim not in head_dims:
+        return None
+    if mask is None:
+        mask = _EVERY_KEY
+    return kernel(q, k, v, mask[:, 0].expand(rows, n, k.shape[2]), dim**-0.5)

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -150,29 +151,24 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   });
 }
 
-// Head dims with a compiled instance: whole numbers of vectors, held in registers.
-constexpr int64_t kChunks[] = {1, 2, 4, 8, 16};
+// Head dims with a compiled instance, in vectors: whole numbers of them, held in registers.
+using Chunks = std::integer_sequence<int, 1, 2, 4, 8, 16>;
 
-template <typename T>
+template <typename T, int... C>
 void run_for_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-                 at::Tensor& out, double scale) {
-  switch (q.size(3) / W) {
-    case 1: return run<T, 1>(q, k, v, mask, out, scale);
-    case 2: return run<T, 2>(q, k, v, mask, out, scale);
-    case 4: return run<T, 4>(q, k, v, mask, out, scale);
-    case 8: return run<T, 8>(q, k, v, mask, out, scale);
-    case 16: return run<T, 16>(q, k, v, mask, out, scale);
-    default: TORCH_CHECK(false, "unsupported head dim ", q.size(3));
-  }
+                 at::Tensor& out, double scale, std::integer_sequence<int, C...>) {
+  const bool ran = ((q.size(3) == C * W && (run<T, C>(q, k, v, mask, out, scale), true)) || ...);
+  TORCH_CHECK(ran, "unsupported head dim ", q.size(3));
+}
+
+template <int... C>
+std::vector<int64_t> dims_of(std::integer_sequence<int, C...>) {
+  return {int64_t{C} * W...};
 }
 
 }  // namespace
 
-std::vector<int64_t> head_dims() {
-  std::vector<int64_t> dims;
-  for (int64_t chunks : kChunks) dims.push_back(chunks * W);
-  return dims;
-}
+std::vector<int64_t> head_dims() { return dims_of(Chunks{}); }
 
 // q [R, H, n, D], k / v [R, KVH, L, D] (D contiguous), mask [R, n, L] (True = attend; every row
 // attends at least one key). Returns [R, H, n, D] in q's dtype.
@@ -188,7 +184,7 @@ at::Tensor short_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "dtypes differ");
   auto out = at::empty(q.sizes(), q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "short_attention",
-                                  [&] { run_for_dim<scalar_t>(q, k, v, mask, out, scale); });
+                                  [&] { run_for_dim<scalar_t>(q, k, v, mask, out, scale, Chunks{}); });
   return out;
 }
 
