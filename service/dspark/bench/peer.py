@@ -61,6 +61,8 @@ SYSTEMS: dict[str, System] = {
         # The engine process at a fixed thread count instead of the default plan (ServeConfig.thread_plan).
         System("dspark-plain-threads1", "dspark", (*PLAIN, "--engine-threads", "1")),
         System("dspark-plain-threads2", "dspark", (*PLAIN, "--engine-threads", "2")),
+        # The engine's intra-op threads left to the OS scheduler instead of pinned one per core.
+        System("dspark-plain-unpinned", "dspark", (*PLAIN, "--no-pin-engine-threads")),
         # Every token through Ray Serve's HTTP proxy instead of the one replica's own server.
         System("dspark-plain-proxy", "dspark", (*PLAIN, "--ingress", "proxy")),
         System("inprocess-plain", "inprocess", ("none", "none")),

@@ -50,6 +50,11 @@ from dspark.serving.config import load_config
     help="Intra-op threads of every engine step.  [default: the replica's CPUs, less one in its own "
     "process; on 2 CPUs 1 for one request, 2 for a batch]",
 )
+@click.option(
+    "--pin-engine-threads/--no-pin-engine-threads",
+    default=None,
+    help="Pin the engine's intra-op threads one per core (a CPU engine of the only replica).  [default: on]",
+)
 @click.option("--host", help="Address to bind.  [default: 127.0.0.1]")
 @click.option("--port", type=int, help="HTTP port.  [default: 8000]")
 @click.option(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Literal
 
@@ -68,6 +69,11 @@ class ServeConfig(BaseModel):
         ge=1,
         description="Intra-op threads of the engine's steps; default: the replica's CPUs, less one for "
         "the HTTP side when the engine has its own process (on 2 CPUs: 1 for one request, 2 for a batch).",
+    )
+    pin_engine_threads: bool = Field(
+        True,
+        description="Pin the engine process's intra-op threads one per core (a CPU engine of the only "
+        "replica), as vLLM's CPU engine does; the HTTP side then never stops the stepping thread.",
     )
 
     # HTTP front end.
@@ -163,6 +169,20 @@ class ServeConfig(BaseModel):
             return ThreadPlan(single=1, batch=2, time_single=True)
         threads = max(1, cpus - 1)
         return ThreadPlan(threads, threads)
+
+    def engine_cpus(self, available: Collection[int]) -> list[int] | None:
+        """The cores the engine process's intra-op threads are pinned to, one each (the first is the
+        stepping thread's), or None to leave them to the OS scheduler.
+
+        Only where the cores are this replica's alone: one replica (pinned replicas would all take
+        the same cores) of a CPU engine in its own process, with a core for each of its threads.
+        """
+        if not self.pin_engine_threads or self.engine_in_thread or self.max_replicas > 1:
+            return None
+        if self.num_gpus_per_replica > 0 or (self.device or "").startswith("cuda"):
+            return None
+        threads = self.thread_plan().batch
+        return sorted(available)[:threads] if threads <= len(available) else None
 
     def engine_overrides(self) -> dict[str, Any]:
         """The engine settings given explicitly (the rest keep EngineConfig's defaults)."""

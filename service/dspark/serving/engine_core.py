@@ -32,7 +32,8 @@ from dspark.serving.engine_messages import (
 )
 from dspark.serving.threads import ThreadPlan
 
-log = logging.getLogger(__name__)
+# Named, not __name__: run as `python -m`, this module is __main__, outside the dspark logger.
+log = logging.getLogger("dspark.serving.engine_core")
 
 
 class ReplicaGone(Exception):
@@ -200,8 +201,10 @@ def main(argv: list[str]) -> int:
     except (EOFError, OSError):
         return 0
     building = _exit_when_orphaned(parent)
+    stepping_cpus = _build_on_every_core(parent)
     try:
         engine = spec.factory(spec.config)
+        os.sched_setaffinity(0, stepping_cpus)
         plan = _thread_plan(spec.config, engine)
         info = EngineInfo.of(engine)
     except Exception as e:
@@ -216,6 +219,22 @@ def main(argv: list[str]) -> int:
     except OSError:
         return 0
     return EngineCore(engine, conn, plan).run()
+
+
+def _build_on_every_core(parent: int) -> set[int]:
+    """Let this thread build the engine on every core of the replica; return the cores it steps on.
+
+    With `GOMP_CPU_AFFINITY` set (`EngineProcess` pins the engine's threads), libgomp pinned this
+    thread, its team's thread 0, to the first core listed when torch loaded (this module's
+    imports load it); the pool of inductor's
+    compile workers started during the build would inherit that one core.
+    """
+    stepping = os.sched_getaffinity(0)
+    with contextlib.suppress(OSError):  # the replica is already gone: the watchdog exits
+        os.sched_setaffinity(0, stepping | os.sched_getaffinity(parent))
+    if os.environ.get("GOMP_CPU_AFFINITY"):
+        log.info("intra-op threads pinned to CPUs %s (GOMP_CPU_AFFINITY)", os.environ["GOMP_CPU_AFFINITY"])
+    return stepping
 
 
 def _exit_when_orphaned(parent: int, interval_s: float = 0.5) -> threading.Event:
