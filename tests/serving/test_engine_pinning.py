@@ -25,15 +25,17 @@ def test_pinned_only_where_the_cores_are_the_one_cpu_replicas_alone():
     assert engine_cpus({0, 1}, num_cpus_per_replica=2) == [0, 1]
     # More: the engine's threads take all but one core, which stays the HTTP side's.
     assert engine_cpus({4, 5, 6, 7}, num_cpus_per_replica=4) == [4, 5, 6]
-    assert engine_cpus({0, 1, 2, 3}, num_cpus_per_replica=2, engine_threads=1) == [0]
+    assert engine_cpus({0, 1}, num_cpus_per_replica=2, engine_threads=1) == [0]
     # Not: switched off, an engine on the replica's thread, replicas that would share the cores, a
-    # GPU engine, or more threads than cores.
+    # GPU engine, more threads than cores, or a share of a bigger machine (whose other engines
+    # would pin the same first cores).
     assert engine_cpus({0, 1}, num_cpus_per_replica=2, pin_engine_threads=False) is None
     assert engine_cpus({0, 1}, num_cpus_per_replica=2, engine_in_thread=True) is None
     assert engine_cpus({0, 1, 2, 3}, num_cpus_per_replica=2, num_replicas=2) is None
     assert engine_cpus({0, 1}, num_cpus_per_replica=2, num_gpus_per_replica=1) is None
     assert engine_cpus({0, 1}, num_cpus_per_replica=2, device="cuda:0") is None
     assert engine_cpus({0, 1}, num_cpus_per_replica=4) is None
+    assert engine_cpus(set(range(64)), num_cpus_per_replica=4) is None
 
 
 def test_the_users_own_openmp_placement_wins(monkeypatch):
@@ -85,7 +87,7 @@ def test_the_engine_builds_on_every_core_and_steps_on_its_own(monkeypatch, pin):
     for name in ("GOMP_CPU_AFFINITY", "OMP_PROC_BIND", "OMP_PLACES", "KMP_AFFINITY"):
         monkeypatch.delenv(name, raising=False)
     config = load_config(
-        overrides={"num_cpus_per_replica": min(2, len(AVAILABLE)), "pin_engine_threads": pin}, environ={}
+        overrides={"num_cpus_per_replica": len(AVAILABLE), "pin_engine_threads": pin}, environ={}
     )
     proc = EngineProcess(probe_factory, config)
     try:

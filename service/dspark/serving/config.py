@@ -175,14 +175,18 @@ class ServeConfig(BaseModel):
         stepping thread's), or None to leave them to the OS scheduler.
 
         Only where the cores are this replica's alone: one replica (pinned replicas would all take
-        the same cores) of a CPU engine in its own process, with a core for each of its threads.
+        the same cores) of a CPU engine in its own process, given no more cores than it was sized
+        for (on a share of a bigger machine, other processes' engines may pin the same first
+        cores) and one for each of its threads.
         """
         if not self.pin_engine_threads or self.engine_in_thread or self.max_replicas > 1:
             return None
         if self.num_gpus_per_replica > 0 or (self.device or "").startswith("cuda"):
             return None
         threads = self.thread_plan().batch
-        return sorted(available)[:threads] if threads <= len(available) else None
+        if not threads <= len(available) <= self.replica_cpus():
+            return None
+        return sorted(available)[:threads]
 
     def engine_overrides(self) -> dict[str, Any]:
         """The engine settings given explicitly (the rest keep EngineConfig's defaults)."""
