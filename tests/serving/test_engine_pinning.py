@@ -9,11 +9,18 @@ import os
 import pytest
 import torch
 from dspark.serving.config import load_config
-from dspark.serving.engine_process import GOMP_CPU_AFFINITY, EngineProcess, _child_env
+from dspark.serving.engine_process import GOMP_CPU_AFFINITY, OPENMP_PLACEMENT, EngineProcess, _child_env
 
 from tests.serving.fake_engine import FakeEngine
 
 AVAILABLE = sorted(os.sched_getaffinity(0))
+
+
+@pytest.fixture
+def no_placement(monkeypatch):
+    for name in OPENMP_PLACEMENT:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
 
 
 def engine_cpus(available, **overrides):
@@ -38,16 +45,15 @@ def test_pinned_only_where_the_cores_are_the_one_cpu_replicas_alone():
     assert engine_cpus(set(range(64)), num_cpus_per_replica=4) is None
 
 
-def test_the_users_own_openmp_placement_wins(monkeypatch):
-    for name in ("GOMP_CPU_AFFINITY", "OMP_PROC_BIND", "OMP_PLACES", "KMP_AFFINITY"):
-        monkeypatch.delenv(name, raising=False)
+def test_the_users_own_openmp_placement_wins(no_placement):
     assert _child_env([2, 3])[GOMP_CPU_AFFINITY] == "2 3"
     assert GOMP_CPU_AFFINITY not in _child_env(None)
-    monkeypatch.setenv("OMP_PROC_BIND", "spread")
+    # An empty GOMP_CPU_AFFINITY is not unset to libgomp (a 2-core engine ran 6x slower): never written.
+    assert GOMP_CPU_AFFINITY not in _child_env([])
+    no_placement.setenv("OMP_PROC_BIND", "")  # empty: no placement
+    assert _child_env([2, 3])[GOMP_CPU_AFFINITY] == "2 3"
+    no_placement.setenv("OMP_PROC_BIND", "spread")
     assert GOMP_CPU_AFFINITY not in _child_env([2, 3])
-    # An empty value is not unset to libgomp (it slowed a 2-core engine 6x): never written.
-    monkeypatch.setenv("OMP_PROC_BIND", "")
-    assert _child_env([]).get(GOMP_CPU_AFFINITY) is None
 
 
 class AffinityProbe(FakeEngine):
@@ -83,9 +89,7 @@ def probe_factory(config) -> AffinityProbe:
 
 
 @pytest.mark.parametrize("pin", [True, False])
-def test_the_engine_builds_on_every_core_and_steps_on_its_own(monkeypatch, pin):
-    for name in ("GOMP_CPU_AFFINITY", "OMP_PROC_BIND", "OMP_PLACES", "KMP_AFFINITY"):
-        monkeypatch.delenv(name, raising=False)
+def test_the_engine_builds_on_every_core_and_steps_on_its_own(no_placement, pin):
     config = load_config(
         overrides={"num_cpus_per_replica": len(AVAILABLE), "pin_engine_threads": pin}, environ={}
     )

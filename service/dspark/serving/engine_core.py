@@ -225,9 +225,8 @@ def _build_on_every_core(parent: int) -> set[int]:
     """Let this thread build the engine on every core of the replica; return the cores it steps on.
 
     With `GOMP_CPU_AFFINITY` set (`EngineProcess` pins the engine's threads), libgomp pinned this
-    thread, its team's thread 0, to the first core listed when torch loaded (this module's
-    imports load it); the pool of inductor's
-    compile workers started during the build would inherit that one core.
+    thread, its team's thread 0, to the first core listed when torch loaded (this module's imports
+    load it); the inductor compile workers that the build starts would inherit that one core.
     """
     stepping = os.sched_getaffinity(0)
     with contextlib.suppress(OSError):  # the replica is already gone: the watchdog exits
