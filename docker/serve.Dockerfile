@@ -11,6 +11,11 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY service ./service
 COPY operator ./operator
+# g++ builds inductor's CPU graphs and the CPU attention kernel at start-up (without it the engine
+# falls back to eager PyTorch, slower); Triton's launchers on the GPU need a C compiler too.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends g++ \
+ && rm -rf /var/lib/apt/lists/*
 # PyPI's Linux torch wheels bundle the CUDA runtime; the node provides the driver.
 RUN pip install ".[service]" \
  && useradd --uid 10001 --create-home dspark \
