@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 from dspark.serving.config import load_config
-from dspark.serving.engine_process import GOMP_CPU_AFFINITY, OPENMP_PLACEMENT, EngineProcess, _child_env
+from dspark.serving.engine_process import EngineProcess, _child_env
+from dspark.serving.threads import GOMP_CPU_AFFINITY, OPENMP_PLACEMENT
 
 from tests.serving.fake_engine import FakeEngine
 

@@ -30,7 +30,7 @@ from dspark.serving.engine_messages import (
     StepReport,
     Stop,
 )
-from dspark.serving.threads import ThreadPlan
+from dspark.serving.threads import GOMP_CPU_AFFINITY, ThreadPlan
 
 # Named, not __name__: run as `python -m`, this module is __main__, outside the dspark logger.
 log = logging.getLogger("dspark.serving.engine_core")
@@ -231,8 +231,8 @@ def _build_on_every_core(parent: int) -> set[int]:
     stepping = os.sched_getaffinity(0)
     with contextlib.suppress(OSError):  # the replica is already gone: the watchdog exits
         os.sched_setaffinity(0, stepping | os.sched_getaffinity(parent))
-    if os.environ.get("GOMP_CPU_AFFINITY"):
-        log.info("intra-op threads pinned to CPUs %s (GOMP_CPU_AFFINITY)", os.environ["GOMP_CPU_AFFINITY"])
+    if cpus := os.environ.get(GOMP_CPU_AFFINITY):
+        log.info("intra-op threads pinned to CPUs %s (%s)", cpus, GOMP_CPU_AFFINITY)
     return stepping
 
 

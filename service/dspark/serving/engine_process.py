@@ -40,13 +40,9 @@ from dspark.serving.engine_messages import (
     Stop,
 )
 from dspark.serving.metrics import ServingMetrics
+from dspark.serving.threads import pinning_env
 
 log = logging.getLogger(__name__)
-
-GOMP_CPU_AFFINITY = "GOMP_CPU_AFFINITY"
-# Settings by which a user places OpenMP's threads; any of them set, the engine is not pinned.
-# (An empty GOMP_CPU_AFFINITY is not "unset" to libgomp: it ran a 2-core engine 6x slower.)
-OPENMP_PLACEMENT = (GOMP_CPU_AFFINITY, "OMP_PROC_BIND", "OMP_PLACES", "KMP_AFFINITY")
 
 Sink = tuple[OutputCallback, asyncio.AbstractEventLoop | None]
 
@@ -269,7 +265,7 @@ def _deliver(items: list[tuple[OutputCallback, RequestOutput]]) -> None:
             log.exception("output callback of request %s failed", out.request_id)
 
 
-def _spawn(pinned_cpus: list[int] | None = None) -> tuple[subprocess.Popen, Connection]:
+def _spawn(pinned_cpus: list[int] | None) -> tuple[subprocess.Popen, Connection]:
     """Start `python -m dspark.serving.engine_core FD` on one end of a socket pair."""
     mine, theirs = socket.socketpair()
     with theirs:
@@ -281,7 +277,7 @@ def _spawn(pinned_cpus: list[int] | None = None) -> tuple[subprocess.Popen, Conn
     return proc, Connection(mine.detach())
 
 
-def _child_env(pinned_cpus: list[int] | None = None) -> dict[str, str]:
+def _child_env(pinned_cpus: list[int] | None) -> dict[str, str]:
     """This process's environment, with this `dspark` first on the path (a checkout may shadow an
     install), the OpenMP settings of every dspark process unless set already, and the intra-op
     threads pinned to `pinned_cpus` unless the environment places OpenMP's threads itself."""
@@ -292,9 +288,7 @@ def _child_env(pinned_cpus: list[int] | None = None) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
     for name, value in OPENMP_ENV.items():
         env.setdefault(name, value)
-    if pinned_cpus and not any(env.get(name) for name in OPENMP_PLACEMENT):
-        # libgomp pins thread i of the team (the importing thread is 0) to the i-th core listed.
-        env[GOMP_CPU_AFFINITY] = " ".join(map(str, pinned_cpus))
+    env.update(pinning_env(pinned_cpus, env))
     return env
 
 
