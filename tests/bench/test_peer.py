@@ -154,6 +154,54 @@ def test_a_system_that_fails_in_a_round_is_reported_and_left_out(monkeypatch, tm
     assert "| dspark-plain | 10.0 ±0% |" in format_table(run)
 
 
+def test_an_inprocess_system_beside_a_server_runs_while_that_server_is_up(monkeypatch, tmp_path):
+    import contextlib
+
+    from dspark.bench import peer
+
+    events = []
+
+    @contextlib.contextmanager
+    def serving(system, model_dir, dtype, vllm_python, log_path, warmup_tokens):
+        events.append(("up", system.name, log_path.name))
+        try:
+            yield None, "http://127.0.0.1:1"
+        finally:
+            events.append(("down", system.name))
+
+    def measure_inprocess(system, *args):
+        events.append(("measure", system.name))
+        if len(events) > 3:
+            raise RuntimeError("engine failed")  # the second round: the server must still stop
+        return [LevelResult(1, 8, 100, 1.0, 10.0, 1.0, 0.1)]
+
+    monkeypatch.setattr(peer, "serving", serving)
+    monkeypatch.setattr(peer, "measure_inprocess", measure_inprocess)
+    said = []
+    run = peer.run_peer_bench(
+        ["inprocess-plain-beside-server"],
+        tmp_path,
+        [1],
+        {1: 8},
+        16,
+        2,
+        "bfloat16",
+        "py",
+        tmp_path,
+        progress=said.append,
+    )
+    name = "inprocess-plain-beside-server"
+    assert events == [
+        ("up", "dspark-plain", f"{name}-round1.log"),
+        ("measure", name),
+        ("down", "dspark-plain"),
+        ("up", "dspark-plain", f"{name}-round2.log"),
+        ("measure", name),
+        ("down", "dspark-plain"),
+    ]
+    assert len(run.points[name][1]) == 1 and any("left out of round 2: engine failed" in x for x in said)
+
+
 def test_server_ports_avoid_rays_worker_ports_and_the_ephemeral_range():
     assert all(20000 <= free_port() < 30000 for _ in range(5))
 

@@ -38,11 +38,13 @@ PLAIN = ("--drafter", "none", "--policy", "none")
 @dataclass(frozen=True)
 class System:
     """One server configuration: `kind` is vllm, dspark (HTTP) or inprocess (the engine, no HTTP;
-    `args` are its drafter, policy and optionally its intra-op thread count)."""
+    `args` are its drafter, policy and optionally its intra-op thread count). An in-process system
+    with `beside` runs while that server system is up and idle on the same machine."""
 
     name: str
     kind: str
     args: tuple[str, ...] = ()
+    beside: str | None = None
 
 
 SYSTEMS: dict[str, System] = {
@@ -69,6 +71,9 @@ SYSTEMS: dict[str, System] = {
         System("inprocess", "inprocess", ("auto", "auto")),
         # torch's default is one intra-op thread per core; on a busy machine one thread can be faster.
         System("inprocess-plain-threads1", "inprocess", ("none", "none", "1")),
+        # The engine alone while an idle `dspark-plain` server (Ray's daemons, Serve's controller and
+        # proxy, a replica) shares the machine: what Ray's runtime costs an engine, without HTTP load.
+        System("inprocess-plain-beside-server", "inprocess", ("none", "none"), beside="dspark-plain"),
     )
 }
 
@@ -171,6 +176,29 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
     proc.wait()
 
 
+@contextlib.contextmanager
+def serving(
+    system: System,
+    model_dir: Path,
+    dtype: str,
+    vllm_python: str,
+    log_path: Path,
+    warmup_tokens: int,
+    startup_timeout_s: float = 600.0,
+) -> Iterator[tuple[subprocess.Popen, str]]:
+    """A server system up on a free loopback port and warmed up; stopped on every way out."""
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = dict(os.environ)
+    if system.kind == "vllm":
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    command = server_command(system, model_dir, port, dtype, vllm_python)
+    with running_server(command, log_path, env) as proc:
+        wait_until_serving(base, startup_timeout_s, alive=lambda: proc.poll() is None)
+        run_level(base, MODEL_NAME, bench_prompts(), 2, 2, warmup_tokens)  # warm-up: first-call allocations
+        yield proc, base
+
+
 def measure_server(
     system: System,
     model_dir: Path,
@@ -181,19 +209,10 @@ def measure_server(
     vllm_python: str,
     log_dir: Path,
     round_index: int,
-    startup_timeout_s: float = 600.0,
 ) -> list[LevelResult]:
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    env = dict(os.environ)
-    if system.kind == "vllm":
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-    command = server_command(system, model_dir, port, dtype, vllm_python)
     log_path = log_dir / f"{system.name}-round{round_index}.log"
     prompts = bench_prompts()
-    with running_server(command, log_path, env) as proc:
-        wait_until_serving(base, startup_timeout_s, alive=lambda: proc.poll() is None)
-        run_level(base, MODEL_NAME, prompts, 2, 2, max_tokens)  # warm-up: first-call allocations
+    with serving(system, model_dir, dtype, vllm_python, log_path, max_tokens) as (proc, base):
         results = []
         for users in levels:
             with measure_cpu(proc.pid) as cpu:
@@ -285,7 +304,12 @@ def run_peer_bench(
             progress(f"round {r}/{rounds}: {name}")
             started = time.perf_counter()
             try:
-                if system.kind == "inprocess":
+                if system.kind == "inprocess" and system.beside:
+                    beside = SYSTEMS[system.beside]
+                    log_path = log_dir / f"{name}-round{r}.log"
+                    with serving(beside, model_dir, dtype, vllm_python, log_path, max_tokens):
+                        results = measure_inprocess(system, levels, requests_per_level, max_tokens, dtype)
+                elif system.kind == "inprocess":
                     results = measure_inprocess(system, levels, requests_per_level, max_tokens, dtype)
                 else:
                     results = measure_server(
