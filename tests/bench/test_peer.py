@@ -123,6 +123,12 @@ def test_compare_script_keeps_vllm_out_of_the_project_venv():
     assert subprocess.run(["bash", "-n", "scripts/compare_vllm.sh"]).returncode == 0
 
 
+def _two_rounds_at_one_user(systems: list[str], tmp_path: Path, **kwargs) -> PeerRun:
+    from dspark.bench import peer
+
+    return peer.run_peer_bench(systems, tmp_path, [1], {1: 8}, 16, 2, "bfloat16", "py", tmp_path, **kwargs)
+
+
 def test_a_system_that_fails_in_a_round_is_reported_and_left_out(monkeypatch, tmp_path):
     from dspark.bench import peer
 
@@ -135,15 +141,8 @@ def test_a_system_that_fails_in_a_round_is_reported_and_left_out(monkeypatch, tm
         return [LevelResult(1, 8, 100, 1.0, 10.0, 1.0, 0.1)]
 
     monkeypatch.setattr(peer, "measure_server", measure)
-    run = peer.run_peer_bench(
+    run = _two_rounds_at_one_user(
         ["vllm", "dspark-plain"],
-        tmp_path,
-        [1],
-        {1: 8},
-        16,
-        2,
-        "bfloat16",
-        "py",
         tmp_path,
         progress=said.append,
         save=lambda r: saved.append(len(r.points["dspark-plain"][1])),
@@ -178,18 +177,7 @@ def test_an_inprocess_system_beside_a_server_runs_while_that_server_is_up(monkey
     monkeypatch.setattr(peer, "serving", serving)
     monkeypatch.setattr(peer, "measure_inprocess", measure_inprocess)
     said = []
-    run = peer.run_peer_bench(
-        ["inprocess-plain-beside-server"],
-        tmp_path,
-        [1],
-        {1: 8},
-        16,
-        2,
-        "bfloat16",
-        "py",
-        tmp_path,
-        progress=said.append,
-    )
+    run = _two_rounds_at_one_user(["inprocess-plain-beside-server"], tmp_path, progress=said.append)
     name = "inprocess-plain-beside-server"
     assert events == [
         ("up", "dspark-plain", f"{name}-round1.log"),
