@@ -199,6 +199,15 @@ def serving(
         yield proc, base
 
 
+def idle_server_beside(
+    system: System, model_dir: Path, dtype: str, vllm_python: str, log_path: Path, warmup_tokens: int
+) -> contextlib.AbstractContextManager:
+    """The idle server an in-process system runs beside (`System.beside`), or nothing."""
+    if system.beside is None:
+        return contextlib.nullcontext()
+    return serving(SYSTEMS[system.beside], model_dir, dtype, vllm_python, log_path, warmup_tokens)
+
+
 def measure_server(
     system: System,
     model_dir: Path,
@@ -304,13 +313,10 @@ def run_peer_bench(
             progress(f"round {r}/{rounds}: {name}")
             started = time.perf_counter()
             try:
-                if system.kind == "inprocess" and system.beside:
-                    beside = SYSTEMS[system.beside]
+                if system.kind == "inprocess":
                     log_path = log_dir / f"{name}-round{r}.log"
-                    with serving(beside, model_dir, dtype, vllm_python, log_path, max_tokens):
+                    with idle_server_beside(system, model_dir, dtype, vllm_python, log_path, max_tokens):
                         results = measure_inprocess(system, levels, requests_per_level, max_tokens, dtype)
-                elif system.kind == "inprocess":
-                    results = measure_inprocess(system, levels, requests_per_level, max_tokens, dtype)
                 else:
                     results = measure_server(
                         system,
