@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark.models.cpu_attention import DecodeAttention, decode_attention
+
 # Requests adding at most this many tokens (decode and verification rows) share one padded
 # attention call per layer; longer prompt chunks attend one request at a time.
 SHORT_ROW_TOKENS = 32
@@ -30,6 +32,7 @@ class ShortGroup:
     mask: torch.Tensor | None  # [R_s, 1, n_max, max_len] bool; None when nothing needs masking
     covers_all: bool  # the group is the whole batch: its tokens are 0..T-1 in order
     dense: bool  # covers_all, rows are the requests in order with n_max tokens each: a view of q
+    decode: DecodeAttention | None = None  # on the CPU, a dense group read in place: one kernel call a layer
 
 
 @dataclass
@@ -126,6 +129,10 @@ def _short_group(
         slot_index: int | slice | torch.Tensor = group[0]
     else:
         slot_index = slice(lo, hi) if in_place else group_slots.to(device)
+    dense = covers_all and rows_in_order and max_new * len(ids) == len(tokens)
+    decode = None
+    if dense and torch.device(device).type == "cpu" and not isinstance(slot_index, torch.Tensor):
+        decode = decode_attention(slot_index, num_rows, max_new, max_len, mask)
     return ShortGroup(
         slots=slot_index,
         tokens=tokens.to(device),
@@ -136,5 +143,6 @@ def _short_group(
         max_len=max_len,
         mask=mask,
         covers_all=covers_all,
-        dense=covers_all and rows_in_order and max_new * len(ids) == len(tokens),
+        dense=dense,
+        decode=decode,
     )

@@ -76,6 +76,11 @@ class Attention(nn.Module):
         """Write the new tokens' K/V into their slots, then attend: [T, H, hd] -> [T, H * hd]."""
         t = q.shape[0]
         k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
+        decode = None if isinstance(batch, PaddedBatch) or batch.short is None else batch.short.decode
+        if decode is not None:
+            out = decode(q, k, v, k_cache, v_cache, batch.token_slots, batch.positions)
+            if out is not None:
+                return out
         # Indexed as [slot, position] over a transposed view: `cache[slots, :, positions] = k` (indices
         # around the head axis) is about 6x slower on the CPU, and the same one kernel on a GPU.
         where = (batch.token_slots, batch.positions)

@@ -166,14 +166,9 @@ std::vector<int64_t> dims_of(std::integer_sequence<int, C...>) {
   return {int64_t{C} * W...};
 }
 
-}  // namespace
-
-std::vector<int64_t> head_dims() { return dims_of(Chunks{}); }
-
-// q [R, H, n, D], k / v [R, KVH, L, D] (D contiguous), mask [R, n, L] (True = attend; every row
-// attends at least one key). Returns [R, H, n, D] in q's dtype.
-at::Tensor short_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-                           double scale) {
+// Checks the kernel's inputs and runs it into `out` ([R, H, n, D], any strides).
+void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                 at::Tensor& out, double scale) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 3, "bad ranks");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "head dim must be contiguous");
   TORCH_CHECK(k.sizes() == v.sizes() && q.size(0) == k.size(0) && q.size(3) == k.size(3), "shapes differ");
@@ -182,13 +177,73 @@ at::Tensor short_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                   mask.size(2) == k.size(2),
               "mask must be bool [R, n, L]");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "dtypes differ");
-  auto out = at::empty(q.sizes(), q.options());
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(), "bad output");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "short_attention",
                                   [&] { run_for_dim<scalar_t>(q, k, v, mask, out, scale, Chunks{}); });
+}
+
+// cache[slots[t], :, positions[t]] = fresh[t] for every new token t: fresh [T, KVH, D], cache
+// [S, KVH, L, D], D contiguous in both. The same writes as index_put_, without its indexing setup.
+void write_kv(at::Tensor& cache, const at::Tensor& fresh, const at::Tensor& slots, const at::Tensor& positions) {
+  TORCH_CHECK(cache.dim() == 4 && fresh.dim() == 3 && cache.size(1) == fresh.size(1) && cache.size(3) == fresh.size(2),
+              "fresh keys / values must be [T, KVH, D] for a [S, KVH, L, D] cache");
+  TORCH_CHECK(cache.stride(3) == 1 && fresh.stride(2) == 1, "head dim must be contiguous");
+  TORCH_CHECK(cache.scalar_type() == fresh.scalar_type(), "dtypes differ");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && slots.is_contiguous() &&
+                  positions.is_contiguous() && slots.numel() == fresh.size(0) && positions.numel() == fresh.size(0),
+              "slots and positions must be int64 [T]");
+  const int64_t tokens = fresh.size(0), heads = fresh.size(1), bytes = fresh.size(2) * fresh.element_size();
+  const int64_t item = cache.element_size();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  char* dst = static_cast<char*>(cache.data_ptr());
+  const char* src = static_cast<const char*>(fresh.data_ptr());
+  for (int64_t t = 0; t < tokens; ++t) {  // all checked before any is written
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < cache.size(0) && pp[t] >= 0 && pp[t] < cache.size(2), "slot or position out of range");
+  }
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t h = 0; h < heads; ++h) {
+      std::memcpy(dst + (sp[t] * cache.stride(0) + h * cache.stride(1) + pp[t] * cache.stride(2)) * item,
+                  src + (t * fresh.stride(0) + h * fresh.stride(1)) * item, bytes);
+    }
+  }
+}
+
+}  // namespace
+
+std::vector<int64_t> head_dims() { return dims_of(Chunks{}); }
+
+// q [R, H, n, D], k / v [R, KVH, L, D] (D contiguous), mask [R, n, L] (True = attend; every row
+// attends at least one key). Returns [R, H, n, D] in q's dtype.
+at::Tensor short_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                           double scale) {
+  auto out = at::empty(q.sizes(), q.options());
+  attend_into(q, k, v, mask, out, scale);
   return out;
+}
+
+// One layer of a decode step whose R requests own cache slots lo..lo + R - 1 in order, each adding n
+// tokens: writes the new k / v [R * n, KVH, D] at (token_slots, positions), then attends q
+// [R * n, H, D] over each slot's first `length` keys with mask [R, n, length]. Returns [R * n, H * D]:
+// the values of `short_attention` on the same views, in one call instead of a dozen tensor ops.
+at::Tensor write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
+                            at::Tensor v_cache, const at::Tensor& token_slots, const at::Tensor& positions, int64_t lo,
+                            int64_t rows, int64_t length, const at::Tensor& mask, double scale) {
+  TORCH_CHECK(q.dim() == 3 && rows > 0 && q.size(0) % rows == 0, "q must be [R * n, H, D]");
+  TORCH_CHECK(lo >= 0 && lo + rows <= k_cache.size(0) && length <= k_cache.size(2), "slots or length out of range");
+  write_kv(k_cache, k, token_slots, positions);
+  write_kv(v_cache, v, token_slots, positions);
+  const int64_t tokens = q.size(0), n = tokens / rows, heads = q.size(1), dim = q.size(2);
+  auto queries = q.view({rows, n, heads, dim}).transpose(1, 2);
+  auto out = at::empty({rows, n, heads, dim}, q.options());
+  auto out_heads_first = out.transpose(1, 2);
+  attend_into(queries, k_cache.narrow(0, lo, rows).narrow(2, 0, length),
+              v_cache.narrow(0, lo, rows).narrow(2, 0, length), mask, out_heads_first, scale);
+  return out.view({tokens, heads * dim});
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("short_attention", &short_attention);
+  m.def("write_and_attend", &write_and_attend);
   m.def("head_dims", &head_dims);
 }
