@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 from dspark.models import cpu_attention
-from dspark.models.cpu_attention import MAX_QUERY_ROWS
+from dspark.models.cpu_attention import MAX_QUERY_ROWS, write_kv
 from dspark.models.forward_batch import ForwardBatch
 from dspark.models.transformer import _attend_short
 
@@ -112,3 +112,20 @@ def test_a_position_outside_the_cache_is_an_error_not_a_stray_write():
     with pytest.raises(RuntimeError, match="out of range"):
         batch.short.decode(q, k, v, k_cache, v_cache, outside.token_slots, outside.positions)
     assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
+def test_the_general_path_writes_new_keys_as_index_put_does():
+    g = torch.Generator().manual_seed(1)
+    k_cache, v_cache = (torch.randn(SLOTS, KV_HEADS, MAX_LEN, DIM, generator=g) for _ in range(2))
+    k, v = (
+        torch.randn(7, KV_HEADS, DIM, generator=g),
+        torch.randn(7, KV_HEADS, 2 * DIM, generator=g)[..., :DIM],
+    )
+    slots, positions = torch.tensor([4, 4, 4, 0, 9, 9, 2]), torch.tensor([10, 11, 12, 0, 95, 94, 50])
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    expected_k.transpose(1, 2).index_put_((slots, positions), k)
+    expected_v.transpose(1, 2).index_put_((slots, positions), v)
+    assert write_kv(k_cache, v_cache, k, v, slots, positions)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    assert not write_kv(k_cache, v_cache, k.requires_grad_(), v, slots, positions)  # autograd: index_put_
+    assert not write_kv(k_cache, v_cache, k.detach()[..., ::2], v[..., ::2], slots, positions)

@@ -46,6 +46,7 @@ def _build_flags() -> list[str]:
 class Built:
     short_attention: Kernel
     write_and_attend: Callable[..., torch.Tensor]
+    write_kv: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
     head_dims: frozenset[int]
 
 
@@ -65,7 +66,9 @@ def _build() -> Built | None:
         log.warning("the CPU attention kernel did not build, attention runs through SDPA: %s", e)
         return None
     log.info("built the CPU attention kernel in %.1f s", time.perf_counter() - started)
-    return Built(module.short_attention, module.write_and_attend, frozenset(module.head_dims()))
+    return Built(
+        module.short_attention, module.write_and_attend, module.write_kv, frozenset(module.head_dims())
+    )
 
 
 @functools.cache
@@ -95,6 +98,27 @@ def short_attention(
     if mask is None:
         mask = _EVERY_KEY
     return built.short_attention(q, k, v, mask[:, 0].expand(rows, n, k.shape[2]), dim**-0.5)
+
+
+def write_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+) -> bool:
+    """`cache[slots[t], :, positions[t]] = new[t]` for both caches, as plain copies: index_put_ spends
+    about 30 us a call setting up its indexing on the CPU. False (nothing written) where the kernel
+    is off or cannot build, off the CPU, under autograd or for a strided head dim."""
+    if not k_cache.is_cpu or k.requires_grad or v.requires_grad or not k.stride(-1) == v.stride(-1) == 1:
+        return False
+    built = short_attention_kernel()
+    if built is None:
+        return False
+    built.write_kv(k_cache, k, slots, positions)
+    built.write_kv(v_cache, v, slots, positions)
+    return True
 
 
 @dataclass(frozen=True)

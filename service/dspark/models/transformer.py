@@ -15,6 +15,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from dspark.models.config import head_dim
+from dspark.models.cpu_attention import write_kv
 from dspark.models.forward_batch import ForwardBatch, ShortGroup
 from dspark.models.kv_cache import KVCache
 from dspark.models.norm import RMSNorm
@@ -84,8 +85,9 @@ class Attention(nn.Module):
         # Indexed as [slot, position] over a transposed view: `cache[slots, :, positions] = k` (indices
         # around the head axis) is about 6x slower on the CPU, and the same one kernel on a GPU.
         where = (batch.token_slots, batch.positions)
-        k_cache.transpose(1, 2).index_put_(where, k)
-        v_cache.transpose(1, 2).index_put_(where, v)
+        if isinstance(batch, PaddedBatch) or not write_kv(k_cache, v_cache, k, v, *where):
+            k_cache.transpose(1, 2).index_put_(where, k)
+            v_cache.transpose(1, 2).index_put_(where, v)
 
         if isinstance(batch, PaddedBatch):
             return attend_padded(q, k_cache, v_cache, batch).reshape(t, -1)

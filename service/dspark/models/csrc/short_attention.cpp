@@ -182,9 +182,13 @@ void attend_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
                                   [&] { run_for_dim<scalar_t>(q, k, v, mask, out, scale, Chunks{}); });
 }
 
+}  // namespace
+
+std::vector<int64_t> head_dims() { return dims_of(Chunks{}); }
+
 // cache[slots[t], :, positions[t]] = fresh[t] for every new token t: fresh [T, KVH, D], cache
 // [S, KVH, L, D], D contiguous in both. The same writes as index_put_, without its indexing setup.
-void write_kv(at::Tensor& cache, const at::Tensor& fresh, const at::Tensor& slots, const at::Tensor& positions) {
+void write_kv(at::Tensor cache, const at::Tensor& fresh, const at::Tensor& slots, const at::Tensor& positions) {
   TORCH_CHECK(cache.dim() == 4 && fresh.dim() == 3 && cache.size(1) == fresh.size(1) && cache.size(3) == fresh.size(2),
               "fresh keys / values must be [T, KVH, D] for a [S, KVH, L, D] cache");
   TORCH_CHECK(cache.stride(3) == 1 && fresh.stride(2) == 1, "head dim must be contiguous");
@@ -208,10 +212,6 @@ void write_kv(at::Tensor& cache, const at::Tensor& fresh, const at::Tensor& slot
     }
   }
 }
-
-}  // namespace
-
-std::vector<int64_t> head_dims() { return dims_of(Chunks{}); }
 
 // q [R, H, n, D], k / v [R, KVH, L, D] (D contiguous), mask [R, n, L] (True = attend; every row
 // attends at least one key). Returns [R, H, n, D] in q's dtype.
@@ -245,5 +245,6 @@ at::Tensor write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("short_attention", &short_attention);
   m.def("write_and_attend", &write_and_attend);
+  m.def("write_kv", &write_kv);
   m.def("head_dims", &head_dims);
 }
