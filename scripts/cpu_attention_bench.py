@@ -8,7 +8,9 @@ Per layer: the kernel called directly (the engine sends it rows of up to MAX_QUE
 and SDPA, SmolLM2-135M's heads (9 query, 3 KV, 64 dims) in bf16 over a view of a larger cache, the
 median of 5 repeats of 200 calls each, and each result's largest error against fp64. `--engine`
 decodes `--requests` requests past `--context` tokens, then alternates 8 steps on each attention
-five times in one process (SDPA through `DSPARK_CPU_ATTENTION=sdpa`) and prints tokens/s.
+path five times in one process and prints tokens/s: SDPA (`DSPARK_CPU_ATTENTION=sdpa`), the kernel
+behind the general path's index_put_ writes and tensor ops, and the kernel's one call a layer
+(`cpu_attention.DecodeAttention`, the engine's path).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from dspark.models import cpu_attention, forward_batch, transformer
 from dspark.models.cpu_attention import short_attention_kernel
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
@@ -60,17 +63,26 @@ def _compare(rows: int, n: int, length: int) -> list[str]:
     def sdpa():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
-    raw, _ = short_attention_kernel() or (None, 0)
-    if raw is None:
+    built = short_attention_kernel()
+    if built is None:
         raise SystemExit("the CPU attention kernel is unavailable here (see the warning above)")
 
     def kernel():  # called directly: past MAX_QUERY_ROWS the engine would not take it
-        return raw(q, k, v, mask[:, 0].expand(rows, n, length), DIM**-0.5)
+        return built.short_attention(q, k, v, mask[:, 0].expand(rows, n, length), DIM**-0.5)
 
     with torch.inference_mode():
         kernel_us, kernel_err = timed(kernel), (kernel().double() - exact).abs().max().item()
         sdpa_us, sdpa_err = timed(sdpa), (sdpa().double() - exact).abs().max().item()
     return [str(n), str(length), f"{kernel_us:.0f}", f"{sdpa_us:.0f}", f"{kernel_err:.1e}", f"{sdpa_err:.1e}"]
+
+
+def use_path(mode: str) -> None:
+    """Switch the engine's CPU attention path (an ablation: the engine always takes the fastest)."""
+    os.environ["DSPARK_CPU_ATTENTION"] = "sdpa" if mode == "sdpa" else "kernel"
+    short_attention_kernel.cache_clear()
+    one_call = mode == "kernel, one call"
+    forward_batch.decode_attention = cpu_attention.decode_attention if one_call else lambda *args: None
+    transformer.write_kv = cpu_attention.write_kv if one_call else lambda *args: False
 
 
 def in_engine(requests: int, context: int) -> None:
@@ -86,11 +98,10 @@ def in_engine(requests: int, context: int) -> None:
         engine.add_request(list(prompt), params)
     while min((r.num_cached for r in engine.requests.values()), default=0) < context:
         engine.step()
-    rates: dict[str, list[float]] = {"sdpa": [], "kernel": []}
+    rates: dict[str, list[float]] = {"sdpa": [], "kernel, general path": [], "kernel, one call": []}
     for _ in range(5):
         for mode, rate in rates.items():
-            os.environ["DSPARK_CPU_ATTENTION"] = mode
-            short_attention_kernel.cache_clear()
+            use_path(mode)
             start, tokens = time.perf_counter(), 0
             for _ in range(8):
                 tokens += sum(len(out.new_token_ids) for out in engine.step())
