@@ -82,20 +82,27 @@ def short_attention_kernel() -> Built | None:
     return _build()
 
 
+def _plain_inputs(*tensors: torch.Tensor) -> bool:
+    """Contiguous head dims, and no backward (the kernel has none: training goes through torch)."""
+    if not all(t.stride(-1) == 1 for t in tensors):
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
+def _kernel_takes(built: Built, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    return q.shape[-1] in built.head_dims and _plain_inputs(q, k, v)
+
+
 def short_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
 ) -> torch.Tensor | None:
     """GQA attention of q [B, H, n, hd] over k / v [B, KVH, L, hd] with mask [B, 1, n or 1, L]
     (True = attend; None: every key), or None where the kernel does not apply."""
     rows, _, n, dim = q.shape
-    if q.device.type != "cpu" or n > MAX_QUERY_ROWS or k.stride(-1) != 1 or q.stride(-1) != 1:
-        return None
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return None  # no backward: training attends through SDPA
-    if mask is not None and mask.dtype != torch.bool:
+    if q.device.type != "cpu" or n > MAX_QUERY_ROWS or (mask is not None and mask.dtype != torch.bool):
         return None
     built = short_attention_kernel()
-    if built is None or dim not in built.head_dims:
+    if built is None or not _kernel_takes(built, q, k, v):
         return None
     if mask is None:
         mask = _EVERY_KEY
@@ -113,10 +120,10 @@ def write_kv(
     """`cache[slots[t], :, positions[t]] = new[t]` for both caches, as plain copies: index_put_ spends
     about 30 us a call setting up its indexing on the CPU. False (nothing written) where the kernel
     is off or cannot build, off the CPU, under autograd or for a strided head dim."""
-    if not k_cache.is_cpu or k.requires_grad or v.requires_grad or not k.stride(-1) == v.stride(-1) == 1:
+    if not k_cache.is_cpu:
         return False
     built = short_attention_kernel()
-    if built is None:
+    if built is None or not _plain_inputs(k, v):
         return False
     built.write_kv(k_cache, k, slots, positions)
     built.write_kv(v_cache, v, slots, positions)
@@ -147,12 +154,7 @@ class DecodeAttention:
         positions: torch.Tensor,
     ) -> torch.Tensor | None:
         """[T, H * hd], having written k / v into the caches; None (nothing written) where it does not apply."""
-        dim = q.shape[-1]
-        if (
-            dim not in self.built.head_dims
-            or q.requires_grad
-            or not q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
-        ):
+        if not _kernel_takes(self.built, q, k, v):
             return None
         return self.built.write_and_attend(
             q,
@@ -166,7 +168,7 @@ class DecodeAttention:
             self.rows,
             self.length,
             self.mask,
-            dim**-0.5,
+            q.shape[-1] ** -0.5,
         )
 
 
