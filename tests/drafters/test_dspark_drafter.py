@@ -10,6 +10,7 @@ import torch
 from dspark.drafters.calibration import Calibration, drafter_id
 from dspark.drafters.checkpoint import load_draft_model
 from dspark.drafters.factory import load_drafter
+from dspark.models.packed_linear import PackedLinear, can_pack
 from safetensors.torch import load_file, save_file
 
 from tests.drafters.helpers import (
@@ -256,6 +257,11 @@ def test_reduced_drafting_vocabulary_is_the_masked_full_distribution(variant, ta
     save_draft_model(restricted, tmp_path / "restricted", include_shared=True)
     drafter = load_drafter(str(tmp_path / "restricted"), target.config)
     assert torch.equal(drafter.model.draft_token_ids(), subset.sort().values)
+    # Its rows are packed once like the model's linears, not reordered for oneDNN every draft.
+    packed = isinstance(drafter.model.fc, PackedLinear)
+    assert packed == can_pack(drafter.device, drafter.model.fc.weight.dtype)
+    assert isinstance(drafter.vocab.head, PackedLinear) == packed
+    assert isinstance(drafter.vocab.markov, PackedLinear) == packed
 
     full = load_draft_model(path)
     allowed = torch.zeros(1024, dtype=torch.bool)
@@ -335,7 +341,7 @@ def test_horizon_cut_heads_are_plain_matmuls(target, rows):
         block = drafter.propose(requests, sampling_for(requests), horizon=1)
     assert block.tokens.shape == (rows, 1)
     ops = {event.key for event in prof.key_averages()}
-    assert "aten::mm" in ops and "aten::bmm" not in ops
+    assert ops & {"aten::mm", "mkldnn::_linear_pointwise"} and "aten::bmm" not in ops
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

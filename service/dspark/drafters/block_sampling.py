@@ -4,7 +4,6 @@ drafting vocabulary."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from dspark.drafters.draft_vocab import DraftVocab
 from dspark.drafters.dspark_model import DSparkModel
@@ -24,7 +23,7 @@ def sample_block(
     # A 3-D input whose leading strides do not merge (a horizon cut, even a width-1 one that
     # .contiguous() leaves alone) sends F.linear to a bmm over a broadcast copy of the whole
     # head; a 2-D [R * G, d] input (reshape copies only what it must) is one plain matmul.
-    base = F.linear(hidden.reshape(-1, hidden.shape[-1]), vocab.head).view(*hidden.shape[:-1], -1)
+    base = vocab.head(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:-1], -1)
     head, conf_head = model.markov_head, model.confidence_head
     if head is None:  # DFlash: positions are independent, sample them all at once
         index, probs = draw(base, sampling)
@@ -34,7 +33,7 @@ def sample_block(
     tokens, probs, confs = [], [], []
     for k in range(hidden.shape[1]):
         z, emb, state = head.step(hidden[:, k], prev, state)
-        index, p = draw(base[:, k] + F.linear(z, vocab.markov), sampling)
+        index, p = draw(base[:, k] + vocab.markov(z), sampling)
         prev = vocab.to_target(index)
         tokens.append(prev)
         probs.append(p)

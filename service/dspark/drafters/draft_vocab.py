@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
+
+from dspark.models.packed_linear import PackedLinear, linear_over
 
 if TYPE_CHECKING:
     from dspark.drafters.dspark_model import DSparkModel
@@ -34,20 +37,23 @@ class DraftVocab:
     vocabulary, where row i is token i and both mappings are the identity)."""
 
     ids: torch.Tensor | None  # [Vd] target token ids, sorted
-    head: torch.Tensor  # [Vd, d] LM head rows
-    markov: torch.Tensor | None  # [Vd, r] rows of DSpark's Markov projection W2
+    head: nn.Module  # hidden [N, d] -> logits [N, Vd]: the LM head's rows
+    markov: nn.Module | None  # z [N, r] -> bias [N, Vd]: rows of DSpark's Markov projection W2
     vocab_size: int
 
     @classmethod
     def of(cls, model: DSparkModel) -> DraftVocab:
-        """The rows of the target-shared head (and W2) that a DSpark / DFlash model drafts over."""
+        """The rows of the target-shared head (and W2) that a DSpark / DFlash model drafts over,
+        packed like the model's own linears (`pack_linears`) when those are: a row subset taken
+        per call would be reordered for oneDNN on every call."""
         ids = model.draft_token_ids()
-        w2 = model.markov_head.markov_w2.weight if model.markov_head is not None else None
+        w2 = model.markov_head.markov_w2 if model.markov_head is not None else None
         if ids is None:
-            return cls(None, model.lm_head.weight, w2, model.config.vocab_size)
+            return cls(None, model.lm_head, w2, model.config.vocab_size)
+        packed = isinstance(model.lm_head, PackedLinear)
         if w2 is not None and not model.config.markov_draft_vocab:
-            w2 = w2[ids]
-        return cls(ids, model.lm_head.weight[ids], w2, model.config.vocab_size)
+            w2 = linear_over(w2.weight[ids], packed)
+        return cls(ids, linear_over(model.lm_head.weight[ids], packed), w2, model.config.vocab_size)
 
     def to_target(self, index: torch.Tensor) -> torch.Tensor:
         """Row indices -> target token ids."""

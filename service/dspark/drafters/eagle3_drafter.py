@@ -38,7 +38,7 @@ class Eagle3Drafter(ContextDrafter):
         )
         self._processed: dict[str, int] = {}  # entries whose K/V in the store are final
         # The head's own rows (a reduced vocabulary when the checkpoint has one).
-        self.vocab = DraftVocab(model.draft_token_ids(), model.lm_head.weight, None, config.vocab_size)
+        self.vocab = DraftVocab(model.draft_token_ids(), model.lm_head, None, config.vocab_size)
 
     def admit(self, request: Request) -> None:
         super().admit(request)

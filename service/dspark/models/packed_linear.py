@@ -87,3 +87,13 @@ def pack_linears(model: nn.Module) -> int:
             module.weight = nn.Parameter(in_out.t(), requires_grad=weight.requires_grad)
             count += 1
     return count
+
+
+def linear_over(weight: torch.Tensor, packed: bool) -> nn.Linear:
+    """A bias-free inference linear over `weight` [out, in] (rows gathered for it, which it keeps),
+    packed like `pack_linears` when `packed`."""
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    layer.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    if packed:
+        pack_linears(layer)
+    return layer
