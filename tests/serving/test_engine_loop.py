@@ -199,3 +199,21 @@ def test_a_consumer_that_falls_behind_gets_one_merged_output():
     assert out.new_token_ids == [1, 2, 3, 4] and out.new_text == "abcd"
     assert [lp.token_id for lp in out.logprobs] == [1, 2, 3]
     assert out.finished and out.finish_reason == "length" and out.num_output_tokens == 4
+
+
+def test_a_step_is_in_the_metrics_before_its_outputs_reach_the_caller(loop):
+    """A caller holding its last token reads metrics that include that step (a /metrics scrape
+    right after a response once saw the request still running)."""
+    running: list[float] = []
+    done = threading.Event()
+    gauge = loop.metrics.num_running.labels("fake")
+
+    def on_output(out) -> None:
+        running.append(gauge._value.get())
+        if out.finished:
+            done.set()
+
+    loop.add([1, 2, 3], GREEDY, "r", on_output).result(timeout=5)
+    assert done.wait(5)
+    # Each output sees its own step's count: running until the step that finished it.
+    assert len(running) > 1 and running == [1] * (len(running) - 1) + [0]

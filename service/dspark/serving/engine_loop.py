@@ -89,6 +89,9 @@ class EngineLoop:
         self._idle_poll_s = idle_poll_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, OutputCallback] = {}  # engine thread only
+        # Engine thread only: a step's outputs, handed over once its metrics are recorded, so a
+        # caller that has its last token never reads the metrics of the step before.
+        self._outbox: list[tuple[str, OutputCallback, RequestOutput]] | None = None
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dspark-engine-loop", daemon=True)
@@ -195,18 +198,24 @@ class EngineLoop:
         def deliver(out: RequestOutput) -> None:
             if out.finished:
                 self._live.pop(request_id, None)
-            try:
-                on_output(out)
-            except Exception:  # a caller's callback must never take the engine down
-                log.exception("output callback of request %s failed", request_id)
+            if self._outbox is not None:
+                self._outbox.append((request_id, on_output, out))
+            else:
+                _notify(request_id, on_output, out)
 
         return deliver
 
     def _step(self) -> None:
-        self.engine.step()
-        stats = getattr(self.engine, "last_step_stats", None)
-        if self.metrics is not None and stats is not None:
-            self.metrics.observe_step(stats)
+        self._outbox = []
+        try:
+            self.engine.step()
+            stats = getattr(self.engine, "last_step_stats", None)
+            if self.metrics is not None and stats is not None:
+                self.metrics.observe_step(stats)
+        finally:
+            outbox, self._outbox = self._outbox, None
+            for request_id, on_output, out in outbox:
+                _notify(request_id, on_output, out)
 
     def _publish_queue_sizes(self) -> None:
         if self.metrics is not None:
@@ -325,3 +334,10 @@ def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
         new_text="".join(o.new_text for o in outs),
         logprobs=logprobs,
     )
+
+
+def _notify(request_id: str, on_output: OutputCallback, out: RequestOutput) -> None:
+    try:
+        on_output(out)
+    except Exception:  # a caller's callback must never take the engine down
+        log.exception("output callback of request %s failed", request_id)
