@@ -81,7 +81,7 @@ def test_concurrent_requests_match_solo_runs_and_share_steps(engine):
         original = loop.call_soon_threadsafe
 
         def counting(callback, *args, **kwargs):
-            if getattr(callback, "__name__", "") == "_deliver":
+            if getattr(callback, "__name__", "") == "deliver_outputs":
                 hand_overs.append(len(args[0]))
             return original(callback, *args, **kwargs)
 

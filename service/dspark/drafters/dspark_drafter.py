@@ -23,7 +23,9 @@ class DSparkDrafter(ContextDrafter):
     """Keeps each request's context K/V (one entry per committed token and draft layer) and drafts
     every request's block in one batched backbone pass."""
 
-    def __init__(self, model: DSparkModel, calibration: Calibration | None = None) -> None:
+    def __init__(
+        self, model: DSparkModel, calibration: Calibration | None = None, vocab: DraftVocab | None = None
+    ) -> None:
         super().__init__()
         self.model = model
         config = model.config
@@ -34,7 +36,7 @@ class DSparkDrafter(ContextDrafter):
         self.feature_size = len(self.target_layers) * config.target_hidden_size
         weight = model.fc.weight
         self.device = weight.device
-        self.vocab = DraftVocab.of(model)
+        self.vocab = vocab or DraftVocab.of(model)  # siblings share the packed rows
         self.store = ContextStore({"kv": model.kv_shape}, weight.device, weight.dtype)
         self.calibration = calibration
         self.static: StaticBlockHidden | None = None
@@ -51,7 +53,7 @@ class DSparkDrafter(ContextDrafter):
             )
 
     def fresh_copy(self) -> DSparkDrafter:
-        return DSparkDrafter(self.model, self.calibration)
+        return DSparkDrafter(self.model, self.calibration, self.vocab)
 
     def use_static_shapes(self, batch_buckets: tuple[int, ...], context_buckets: tuple[int, ...]) -> None:
         if self.static is not None and self.static.shape == (

@@ -91,7 +91,7 @@ class EngineLoop:
         self._live: dict[str, OutputCallback] = {}  # engine thread only
         # Engine thread only: a step's outputs, handed over once its metrics are recorded, so a
         # caller that has its last token never reads the metrics of the step before.
-        self._outbox: list[tuple[str, OutputCallback, RequestOutput]] | None = None
+        self._outbox: list[tuple[OutputCallback, RequestOutput]] | None = None
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dspark-engine-loop", daemon=True)
@@ -199,9 +199,9 @@ class EngineLoop:
             if out.finished:
                 self._live.pop(request_id, None)
             if self._outbox is not None:
-                self._outbox.append((request_id, on_output, out))
+                self._outbox.append((on_output, out))
             else:
-                _notify(request_id, on_output, out)
+                deliver_outputs([(on_output, out)])
 
         return deliver
 
@@ -214,8 +214,7 @@ class EngineLoop:
                 self.metrics.observe_step(stats)
         finally:
             outbox, self._outbox = self._outbox, None
-            for request_id, on_output, out in outbox:
-                _notify(request_id, on_output, out)
+            deliver_outputs(outbox)
 
     def _publish_queue_sizes(self) -> None:
         if self.metrics is not None:
@@ -336,8 +335,10 @@ def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
     )
 
 
-def _notify(request_id: str, on_output: OutputCallback, out: RequestOutput) -> None:
-    try:
-        on_output(out)
-    except Exception:  # a caller's callback must never take the engine down
-        log.exception("output callback of request %s failed", request_id)
+def deliver_outputs(items: list[tuple[OutputCallback, RequestOutput]]) -> None:
+    """Call each callback with its output; a failing one costs neither the engine nor the others."""
+    for callback, out in items:
+        try:
+            callback(out)
+        except Exception:
+            log.exception("output callback of request %s failed", out.request_id)

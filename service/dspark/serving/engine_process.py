@@ -26,7 +26,7 @@ from dspark import OPENMP_ENV
 from dspark.engine.outputs import RequestOutput
 from dspark.engine.sampling_params import SamplingParams
 from dspark.serving.config import ServeConfig
-from dspark.serving.engine_loop import EngineStopped, OutputCallback
+from dspark.serving.engine_loop import EngineStopped, OutputCallback, deliver_outputs
 from dspark.serving.engine_messages import (
     SHUTDOWN_REASON,
     AbortRequest,
@@ -251,18 +251,10 @@ def _hand_over(batch: list[tuple[Sink, RequestOutput]]) -> None:
         by_loop.setdefault(loop, []).append((callback, out))
     for loop, items in by_loop.items():
         if loop is None:
-            _deliver(items)
+            deliver_outputs(items)
         else:
             with contextlib.suppress(RuntimeError):  # the event loop already closed
-                loop.call_soon_threadsafe(_deliver, items)
-
-
-def _deliver(items: list[tuple[OutputCallback, RequestOutput]]) -> None:
-    for callback, out in items:
-        try:
-            callback(out)
-        except Exception:  # one caller's callback must not cost the others their outputs
-            log.exception("output callback of request %s failed", out.request_id)
+                loop.call_soon_threadsafe(deliver_outputs, items)
 
 
 def _spawn(pinned_cpus: list[int] | None) -> tuple[subprocess.Popen, Connection]:
