@@ -19,6 +19,7 @@ import torch
 import torch.fx.experimental._config as shape_config
 
 from dspark.models.forward_batch import ForwardBatch
+from dspark.models.graph_ops import define_op
 from dspark.models.kv_cache import KVCache
 from dspark.models.static_batch import PaddedBatch
 from dspark.models.transformer import DecoderModel, ForwardOutput
@@ -44,16 +45,17 @@ def bind(model: DecoderModel, batch: ForwardBatch, cache: KVCache) -> Iterator[N
         _bound.value = None
 
 
-@torch.library.custom_op("dspark::attention", mutates_args=())
-def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
     """`Attention.attend` of decoder layer `layer`, on the bound batch and cache."""
     model, batch, cache = _bound.value
     return model.model.layers[layer].self_attn.attend(q, k, v, batch, cache)
 
 
-@attention_op.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+def _attention_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+define_op("attention(Tensor q, Tensor k, Tensor v, int layer) -> Tensor", _attention, _attention_shape)
 
 
 class CompiledForward:

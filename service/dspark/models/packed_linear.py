@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.models.graph_ops import define_op
+
 # The packed layout does not depend on M; the hint only picks oneDNN's kernel for that size.
 _BATCH_HINT = 16
 
@@ -43,7 +45,7 @@ class PackedLinear(nn.Linear):
         if torch.is_grad_enabled():  # training reads `weight`, the packed copy would go stale
             return F.linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():  # inductor cannot lower the packed op itself
-            return packed_linear(x, self.packed, self.weight, self.bias)
+            return torch.ops.dspark.packed_linear(x, self.packed, self.weight, self.bias)
         return _packed_or_dense(x, self.packed, self.weight, self.bias)
 
 
@@ -61,17 +63,18 @@ def _packed_or_dense(
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-@torch.library.custom_op("dspark::packed_linear", mutates_args=())
-def packed_linear(
+def _packed_linear_shape(
     x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """The packed (or, for one fp32 row, dense) matmul as one opaque op of a compiled graph."""
-    return _packed_or_dense(x, packed, weight, bias)
-
-
-@packed_linear.register_fake
-def _(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], packed.shape[0])
+
+
+# The packed (or, for one fp32 row, dense) matmul as one opaque op of a compiled graph.
+define_op(
+    "packed_linear(Tensor x, Tensor packed, Tensor weight, Tensor? bias) -> Tensor",
+    _packed_or_dense,
+    _packed_linear_shape,
+)
 
 
 def pack_linears(model: nn.Module) -> int:
