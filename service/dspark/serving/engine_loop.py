@@ -27,6 +27,7 @@ from dspark.serving.metrics import ServingMetrics
 log = logging.getLogger(__name__)
 
 OutputCallback = Callable[[RequestOutput], None]
+Sink = tuple[OutputCallback, asyncio.AbstractEventLoop | None]  # a callback, and the loop it runs on
 
 
 class EngineBackend(Protocol):
@@ -67,7 +68,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     request_id: str
-    on_output: OutputCallback
+    sink: Sink
     accepted: concurrent.futures.Future
 
 
@@ -88,10 +89,10 @@ class EngineLoop:
         self.metrics = metrics
         self._idle_poll_s = idle_poll_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._live: dict[str, OutputCallback] = {}  # engine thread only
-        # Engine thread only: a step's outputs, handed over once its metrics are recorded, so a
-        # caller that has its last token never reads the metrics of the step before.
-        self._outbox: list[tuple[OutputCallback, RequestOutput]] | None = None
+        self._live: dict[str, Sink] = {}  # engine thread only
+        # Engine thread only: an iteration's outputs, handed over once its metrics are recorded, so
+        # a caller that has its last token never reads the metrics of the step before.
+        self._outbox: list[tuple[Sink, RequestOutput]] = []
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dspark-engine-loop", daemon=True)
@@ -114,15 +115,13 @@ class EngineLoop:
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> concurrent.futures.Future:
         """Queue a request; the future resolves to its id once the engine took it, or to its
-        ValueError. `on_output` runs on `loop` when given (one hand-over per output), else on the
+        ValueError. `on_output` runs on `loop` when given (one hand-over per step), else on the
         engine thread."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         if self._stopping.is_set():
             fut.set_exception(EngineStopped("the server is shutting down"))
             return fut
-        if loop is not None:
-            on_output = _on_loop(loop, on_output)
-        self._commands.put(_Add(list(prompt_token_ids), params, request_id, on_output, fut))
+        self._commands.put(_Add(list(prompt_token_ids), params, request_id, (on_output, loop), fut))
         return fut
 
     def abort(self, request_id: str) -> None:
@@ -150,12 +149,15 @@ class EngineLoop:
                 if self.engine.has_unfinished_requests():
                     self._step()
                 self._publish_queue_sizes()
+                self._flush()
         except Exception as e:  # the engine is unusable: fail every caller rather than hang them
             log.exception("engine loop crashed")
             self.fatal_error = f"engine failure: {e}"
             self._stopping.set()  # before callers hear of it: a caller that retries must see it dead
+            self._flush()
             self._fail_all(self.fatal_error)
         finally:
+            self._flush()
             self._stopping.set()
             self._stopped.set()
             self._reject_pending()
@@ -183,7 +185,7 @@ class EngineLoop:
     def _apply_add(self, cmd: _Add) -> None:
         if cmd.accepted.cancelled():
             return
-        on_output = self._tracking(cmd.request_id, cmd.on_output)
+        on_output = self._tracking(cmd.request_id, cmd.sink)
         try:
             rid = self.engine.add_request(
                 cmd.prompt_token_ids, cmd.params, cmd.request_id, on_output=on_output
@@ -191,30 +193,26 @@ class EngineLoop:
         except ValueError as e:
             cmd.accepted.set_exception(e)
             return
-        self._live[rid] = cmd.on_output
+        self._live[rid] = cmd.sink
         cmd.accepted.set_result(rid)
 
-    def _tracking(self, request_id: str, on_output: OutputCallback) -> OutputCallback:
+    def _tracking(self, request_id: str, sink: Sink) -> OutputCallback:
         def deliver(out: RequestOutput) -> None:
             if out.finished:
                 self._live.pop(request_id, None)
-            if self._outbox is not None:
-                self._outbox.append((on_output, out))
-            else:
-                deliver_outputs([(on_output, out)])
+            self._outbox.append((sink, out))
 
         return deliver
 
     def _step(self) -> None:
-        self._outbox = []
-        try:
-            self.engine.step()
-            stats = getattr(self.engine, "last_step_stats", None)
-            if self.metrics is not None and stats is not None:
-                self.metrics.observe_step(stats)
-        finally:
-            outbox, self._outbox = self._outbox, None
-            deliver_outputs(outbox)
+        self.engine.step()
+        stats = getattr(self.engine, "last_step_stats", None)
+        if self.metrics is not None and stats is not None:
+            self.metrics.observe_step(stats)
+
+    def _flush(self) -> None:
+        outbox, self._outbox = self._outbox, []
+        hand_over(outbox)
 
     def _publish_queue_sizes(self) -> None:
         if self.metrics is not None:
@@ -226,10 +224,13 @@ class EngineLoop:
         self._fail_all(reason)
 
     def _fail_all(self, reason: str) -> None:
-        for rid, cb in list(self._live.items()):
-            with contextlib.suppress(Exception):
-                cb(RequestOutput(rid, [], "", finished=True, finish_reason="error", error=reason))
-        self._live.clear()
+        live, self._live = self._live, {}
+        hand_over(
+            [
+                (sink, RequestOutput(rid, [], "", finished=True, finish_reason="error", error=reason))
+                for rid, sink in live.items()
+            ]
+        )
 
     def _reject_pending(self) -> None:
         while True:
@@ -239,14 +240,6 @@ class EngineLoop:
                 return
             if isinstance(cmd, _Add) and not cmd.accepted.done():
                 cmd.accepted.set_exception(EngineStopped(self.fatal_error or "the server is shutting down"))
-
-
-def _on_loop(loop: asyncio.AbstractEventLoop, callback: OutputCallback) -> OutputCallback:
-    def hand_over(out: RequestOutput) -> None:
-        with contextlib.suppress(RuntimeError):  # the event loop already closed
-            loop.call_soon_threadsafe(callback, out)
-
-    return hand_over
 
 
 class AsyncEngineClient:
@@ -333,6 +326,20 @@ def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
         new_text="".join(o.new_text for o in outs),
         logprobs=logprobs,
     )
+
+
+def hand_over(batch: list[tuple[Sink, RequestOutput]]) -> None:
+    """Each output to its callback: one `call_soon_threadsafe` per event loop for the whole batch
+    (a step's outputs), not one per output; callbacks without a loop run here."""
+    by_loop: dict[asyncio.AbstractEventLoop | None, list[tuple[OutputCallback, RequestOutput]]] = {}
+    for (callback, loop), out in batch:
+        by_loop.setdefault(loop, []).append((callback, out))
+    for loop, items in by_loop.items():
+        if loop is None:
+            deliver_outputs(items)
+        else:
+            with contextlib.suppress(RuntimeError):  # the event loop already closed
+                loop.call_soon_threadsafe(deliver_outputs, items)
 
 
 def deliver_outputs(items: list[tuple[OutputCallback, RequestOutput]]) -> None:

@@ -26,7 +26,7 @@ from dspark import OPENMP_ENV
 from dspark.engine.outputs import RequestOutput
 from dspark.engine.sampling_params import SamplingParams
 from dspark.serving.config import ServeConfig
-from dspark.serving.engine_loop import EngineStopped, OutputCallback, deliver_outputs
+from dspark.serving.engine_loop import EngineStopped, OutputCallback, Sink, hand_over
 from dspark.serving.engine_messages import (
     SHUTDOWN_REASON,
     AbortRequest,
@@ -43,8 +43,6 @@ from dspark.serving.metrics import ServingMetrics
 from dspark.serving.threads import pinning_env
 
 log = logging.getLogger(__name__)
-
-Sink = tuple[OutputCallback, asyncio.AbstractEventLoop | None]
 
 
 class EngineProcess:
@@ -223,7 +221,7 @@ class EngineProcess:
             if report.stats is not None:
                 self.metrics.observe_step(report.stats)
             self.metrics.set_queue_sizes(report.num_running, report.num_waiting)
-        _hand_over(batch)
+        hand_over(batch)
 
     def _close(self, reason: str) -> None:
         """Fail every request still open: running ones get an error output, unacknowledged ones
@@ -236,25 +234,12 @@ class EngineProcess:
             sinks.pop(rid, None)
             if not fut.done():
                 fut.set_exception(EngineStopped(self.fatal_error or "the server is shutting down"))
-        _hand_over(
+        hand_over(
             [
                 (sink, RequestOutput(rid, [], "", finished=True, finish_reason="error", error=reason))
                 for rid, sink in sinks.items()
             ]
         )
-
-
-def _hand_over(batch: list[tuple[Sink, RequestOutput]]) -> None:
-    """One `call_soon_threadsafe` per event loop for the whole step, not one per output."""
-    by_loop: dict[asyncio.AbstractEventLoop | None, list[tuple[OutputCallback, RequestOutput]]] = {}
-    for (callback, loop), out in batch:
-        by_loop.setdefault(loop, []).append((callback, out))
-    for loop, items in by_loop.items():
-        if loop is None:
-            deliver_outputs(items)
-        else:
-            with contextlib.suppress(RuntimeError):  # the event loop already closed
-                loop.call_soon_threadsafe(deliver_outputs, items)
 
 
 def _spawn(pinned_cpus: list[int] | None) -> tuple[subprocess.Popen, Connection]:
