@@ -36,7 +36,7 @@ class DSparkDrafter(ContextDrafter):
         self.feature_size = len(self.target_layers) * config.target_hidden_size
         weight = model.fc.weight
         self.device = weight.device
-        self.vocab = vocab or DraftVocab.of(model)  # siblings share the packed rows
+        self.vocab = vocab if vocab is not None else DraftVocab.of(model)  # siblings share the packed rows
         self.store = ContextStore({"kv": model.kv_shape}, weight.device, weight.dtype)
         self.calibration = calibration
         self.static: StaticBlockHidden | None = None
