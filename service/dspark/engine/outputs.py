@@ -27,6 +27,11 @@ class RequestOutput:
     num_output_tokens: int = 0
     stats: RequestStats | None = None  # on the finishing output: the request's speculation figures
 
+    @classmethod
+    def failed(cls, request_id: str, reason: str) -> RequestOutput:
+        """The last output of a request the server could not finish (engine failure, shutdown)."""
+        return cls(request_id, [], "", finished=True, finish_reason="error", error=reason)
+
 
 @dataclass
 class RequestStats:

@@ -117,9 +117,7 @@ class EngineCore:
         for rid in list(self._live):
             self.engine.abort_request(rid)
         for rid in list(self._live):  # an engine that did not report the abort
-            self._collect(
-                RequestOutput(rid, [], "", finished=True, finish_reason="error", error=SHUTDOWN_REASON)
-            )
+            self._collect(RequestOutput.failed(rid, SHUTDOWN_REASON))
 
     # Steps and reports ---------------------------------------------------------------------------
     def _step(self) -> None:

@@ -154,7 +154,6 @@ class EngineLoop:
             log.exception("engine loop crashed")
             self.fatal_error = f"engine failure: {e}"
             self._stopping.set()  # before callers hear of it: a caller that retries must see it dead
-            self._flush()
             self._fail_all(self.fatal_error)
         finally:
             self._flush()
@@ -224,13 +223,9 @@ class EngineLoop:
         self._fail_all(reason)
 
     def _fail_all(self, reason: str) -> None:
+        """Queue an error output for every live request, behind the outputs already queued."""
         live, self._live = self._live, {}
-        hand_over(
-            [
-                (sink, RequestOutput(rid, [], "", finished=True, finish_reason="error", error=reason))
-                for rid, sink in live.items()
-            ]
-        )
+        self._outbox.extend((sink, RequestOutput.failed(rid, reason)) for rid, sink in live.items())
 
     def _reject_pending(self) -> None:
         while True:

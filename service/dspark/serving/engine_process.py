@@ -234,12 +234,7 @@ class EngineProcess:
             sinks.pop(rid, None)
             if not fut.done():
                 fut.set_exception(EngineStopped(self.fatal_error or "the server is shutting down"))
-        hand_over(
-            [
-                (sink, RequestOutput(rid, [], "", finished=True, finish_reason="error", error=reason))
-                for rid, sink in sinks.items()
-            ]
-        )
+        hand_over([(sink, RequestOutput.failed(rid, reason)) for rid, sink in sinks.items()])
 
 
 def _spawn(pinned_cpus: list[int] | None) -> tuple[subprocess.Popen, Connection]:
