@@ -431,11 +431,11 @@ def _interrupt(signum, frame) -> None:
 
 def _cpu_kind() -> str:
     """The CPU model and whether it has native bf16 (figures differ by kind)."""
+    from dspark.models.cpu_kind import cpu_kind
+
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
         return platform.processor() or platform.machine()
     model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "")
-    flags = next((ln for ln in info.splitlines() if ln.startswith("flags")), "")
-    kind = "AMX" if "amx_bf16" in flags else "avx512_bf16" if "avx512_bf16" in flags else "AVX2, no bf16"
-    return f"{model} ({os.cpu_count()} cores, {kind})"
+    return f"{model} ({os.cpu_count()} cores, {cpu_kind()})"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from functools import cache
 from pathlib import Path
 from typing import Literal
 
@@ -11,6 +10,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dspark.engine.policy_spec import PolicySettings, parse_policy
+from dspark.models.cpu_kind import cpu_has_native_bf16
 from dspark.models.registry import DEFAULT_MODEL
 from dspark.models.static_batch import DEFAULT_BATCH_BUCKETS
 
@@ -118,17 +118,6 @@ def resolve_device(spec: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {spec!r} requested but CUDA is not available")
     return device
-
-
-@cache
-def cpu_has_native_bf16() -> bool:
-    """avx512_bf16 or AMX: bf16 matmuls are native and faster than fp32."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:

@@ -33,13 +33,17 @@ _EVERY_KEY = torch.ones(1, 1, 1, 1, dtype=torch.bool)  # the mask of a row that 
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
-def _build_flags() -> list[str]:
-    """The vector ISA inductor picks for this CPU, so `at::vec` compiles to its widest units."""
+def _build_flags() -> tuple[str, list[str]]:
+    """The vector ISA inductor picks for this CPU (it honours `ATEN_CPU_CAPABILITY`), so `at::vec`
+    compiles to its widest units, and the flags for it. The ISA names the build: one cached build
+    per ISA, rather than a rebuild whenever the cap changes."""
     from torch._inductor import cpu_vec_isa
 
     isa = cpu_vec_isa.pick_vec_isa()
-    macros = isa.build_macro() if isa else []
-    return ["-O3", "-fopenmp", *(isa.build_arch_flags().split() if isa else []), *(f"-D{m}" for m in macros)]
+    if not isa:
+        return "scalar", ["-O3", "-fopenmp"]
+    flags = ["-O3", "-fopenmp", *isa.build_arch_flags().split(), *(f"-D{m}" for m in isa.build_macro())]
+    return str(isa).split()[0], flags
 
 
 @dataclass(frozen=True)
@@ -57,11 +61,12 @@ def _build() -> Built | None:
     from torch.utils import cpp_extension
 
     started = time.perf_counter()
+    isa, flags = _build_flags()
     try:
         module = cpp_extension.load(
-            name="dspark_short_attention",
+            name=f"dspark_short_attention_{isa}",
             sources=[str(SOURCE)],
-            extra_cflags=_build_flags(),
+            extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
         )
     except Exception as e:  # no compiler or no headers: SDPA computes the same attention

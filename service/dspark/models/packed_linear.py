@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.models.cpu_kind import cpu_has_native_bf16
 from dspark.models.graph_ops import define_op
 
 # The packed layout does not depend on M; the hint only picks oneDNN's kernel for that size.
@@ -31,7 +32,7 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     return dtype == torch.float32 or (
-        dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        dtype == torch.bfloat16 and cpu_has_native_bf16() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )
 
 
