@@ -13,15 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from dspark.drafters.config import DraftConfig, TargetShape
 from dspark.drafters.dspark_model import DSparkModel
 from dspark.drafters.eagle3_model import Eagle3Model
+from dspark.models.loader import has_safetensors, load_state_dict, weight_map
 
-_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+_TORCH_FILE = "pytorch_model.bin"
 
 
 @dataclass
@@ -35,20 +35,12 @@ class SharedWeights:
 def read_state_dict(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a checkpoint directory (single or sharded safetensors, or pytorch_model.bin)."""
     root = Path(checkpoint_dir)
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    if has_safetensors(root):
+        state = load_state_dict(root)
+    elif (root / _TORCH_FILE).is_file():
+        state = torch.load(root / _TORCH_FILE, map_location="cpu", weights_only=True)
     else:
-        files = [name for name in _WEIGHT_FILES if (root / name).is_file()][:1]
-    if not files:
-        raise FileNotFoundError(f"no model.safetensors (or index / pytorch_model.bin) in {root}")
-    state: dict[str, torch.Tensor] = {}
-    for name in files:
-        if name.endswith(".bin"):
-            state.update(torch.load(root / name, map_location="cpu", weights_only=True))
-            continue
-        with safe_open(root / name, framework="pt") as f:
-            state.update({key: f.get_tensor(key) for key in f.keys()})  # noqa: SIM118 - safe_open API
+        raise FileNotFoundError(f"no model.safetensors (or index / {_TORCH_FILE}) in {root}")
     return {_strip_prefix(k): v for k, v in state.items()}
 
 
@@ -59,20 +51,10 @@ def _strip_prefix(key: str) -> str:
 def load_target_shared_weights(target_dir: str | Path) -> SharedWeights:
     """Read only the embedding and LM head from a HF causal-LM directory (tied heads supported)."""
     root = Path(target_dir)
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-    else:
-        with safe_open(root / "model.safetensors", framework="pt") as f:
-            weight_map = {key: "model.safetensors" for key in f.keys()}  # noqa: SIM118
-
-    def get(key: str) -> torch.Tensor:
-        with safe_open(root / weight_map[key], framework="pt") as f:
-            return f.get_tensor(key)
-
-    embed = get("model.embed_tokens.weight")
-    head = get("lm_head.weight") if "lm_head.weight" in weight_map else embed
-    return SharedWeights(embed, head)
+    embed, head = "model.embed_tokens.weight", "lm_head.weight"
+    tied = head not in weight_map(root)
+    state = load_state_dict(root, [embed] if tied else [embed, head])
+    return SharedWeights(state[embed], state[embed] if tied else state[head])
 
 
 def build_model(config: DraftConfig) -> nn.Module:

@@ -3,33 +3,66 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from dspark.models.config import load_target_config
 from dspark.models.packed_linear import can_pack, pack_linears
 from dspark.models.pull import ModelError
 from dspark.models.transformer import DecoderModel
 
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
 
-def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a (possibly sharded) safetensors checkpoint."""
-    index = model_dir / "model.safetensors.index.json"
+
+def has_safetensors(model_dir: Path) -> bool:
+    return (model_dir / SAFETENSORS_INDEX).is_file() or (model_dir / SAFETENSORS_FILE).is_file()
+
+
+def weight_map(model_dir: Path) -> dict[str, str]:
+    """Each tensor of a (possibly sharded) safetensors checkpoint and the file that holds it."""
+    index = model_dir / SAFETENSORS_INDEX
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (model_dir / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
+        return json.loads(index.read_text())["weight_map"]
+    if not (model_dir / SAFETENSORS_FILE).is_file():
         raise ModelError(f"{model_dir} has no model.safetensors (only safetensors checkpoints are supported)")
+    with _open(model_dir / SAFETENSORS_FILE) as f:
+        return dict.fromkeys(f.keys(), SAFETENSORS_FILE)
+
+
+def load_state_dict(model_dir: Path, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of a (possibly sharded) safetensors checkpoint: all of them, or only `names`.
+
+    Only the files holding the wanted tensors are opened, and only those tensors are read.
+    """
+    files = weight_map(model_dir)
+    wanted = files.keys() if names is None else names
+    by_file: dict[str, list[str]] = {}
+    for key in wanted:
+        by_file.setdefault(files[key], []).append(key)
     state: dict[str, torch.Tensor] = {}
-    for name in files:
-        try:
-            state.update(load_file(model_dir / name))
-        except Exception as e:  # safetensors raises several error types for damaged files
-            raise ModelError(f"cannot read {model_dir / name}: {e}") from e
+    for name in sorted(by_file):
+        with _open(model_dir / name) as f:
+            try:
+                state.update({key: f.get_tensor(key) for key in by_file[name]})
+            except Exception as e:  # safetensors raises several error types for damaged files
+                raise ModelError(f"cannot read {model_dir / name}: {e}") from e
     return state
+
+
+@contextmanager
+def _open(path: Path) -> Iterator[Any]:
+    try:
+        handle = safe_open(path, framework="pt")
+    except Exception as e:  # safetensors raises several error types for damaged files
+        raise ModelError(f"cannot read {path}: {e}") from e
+    with handle as f:
+        yield f
 
 
 # The runner's packed projections and the checkpoint tensors they are concatenated from.
