@@ -10,7 +10,7 @@ from dspark_loadtest.prompts import PromptSampler
 from dspark_loadtest.server_metrics import Snapshot
 from dspark_loadtest.shapes import Stage, peak_users, stages
 from dspark_loadtest.stream import RequestSample
-from dspark_loadtest.tiers import ConstantLoad, Tier, TierFile
+from dspark_loadtest.tiers import Tier, TierFile
 
 
 def parse_mix(text: str) -> dict[str, float]:
@@ -131,7 +131,3 @@ class LoadRun:
 
     def path(self, api: str) -> str:
         return f"{self.api_prefix}/chat/completions" if api == "chat" else f"{self.api_prefix}/completions"
-
-    @property
-    def is_constant(self) -> bool:
-        return isinstance(self.tier.load, ConstantLoad)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -134,7 +134,3 @@ def format_table(tier_name: str, checks: list[Check]) -> str:
     verdict = "PASS" if all(c.passed for c in checks) else "FAIL"
     out.append(f"verdict: {verdict}")
     return "\n".join(out)
-
-
-def checks_json(checks: list[Check]) -> list[dict]:
-    return [asdict(c) for c in checks]

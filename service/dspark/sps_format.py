@@ -26,7 +26,7 @@ import sys
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
@@ -45,12 +45,6 @@ Dtype = Literal["bfloat16", "float32"]
 
 class ProfileError(ValueError):
     """An SPS profile is missing, malformed, or belongs to another model, dtype or device."""
-
-
-class SpsCurve(Protocol):
-    """Anything that maps batch tokens to steps per second (a profile, a refined profile)."""
-
-    def sps(self, batch_tokens: torch.Tensor) -> torch.Tensor: ...
 
 
 def sps_of_array_or_float(sps: Callable[[torch.Tensor], torch.Tensor], batch_tokens: np.ndarray | float):

@@ -29,6 +29,21 @@ def _token_streams(tokenizer) -> list[list[int]]:
     return streams
 
 
+class _CountingDecodes:
+    """A tokenizer that counts its whole-output decodes."""
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+        self.decodes = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    def decode(self, *args, **kwargs) -> str:
+        self.decodes += 1
+        return self._inner.decode(*args, **kwargs)
+
+
 def _feed(detok: Detokenizer, out: list[int], ids: list[int], rng: random.Random, full) -> None:
     """Append `ids` to the detokenizer's live list `out` a step at a time, checking its text."""
     i = 0
@@ -50,9 +65,10 @@ def test_streamed_text_matches_full_decode(tokenizer) -> None:
     rng = random.Random(1)
     for ids in _token_streams(tokenizer):
         out: list[int] = []
-        detok = Detokenizer(tokenizer, out)
-        assert detok.streaming  # the fast tokenizer streams: this test checks DecodeStream
+        counting = _CountingDecodes(tokenizer)
+        detok = Detokenizer(counting, out)
         _feed(detok, out, ids, rng, lambda prefix: tokenizer.decode(prefix, skip_special_tokens=True))
+        assert counting.decodes == 1  # the fast tokenizer streams: only the final text is decoded whole
 
 
 class _SlowTokenizer:
@@ -72,6 +88,7 @@ def test_tokenizers_that_cannot_stream_decode_the_whole_output(tokenizer, slow) 
     full = lambda prefix: tokenizer.decode(prefix, skip_special_tokens=True)  # noqa: E731
     for ids in _token_streams(tokenizer)[:4]:
         out: list[int] = []
-        detok = Detokenizer(subject, out)
-        assert not detok.streaming
+        counting = _CountingDecodes(subject)
+        detok = Detokenizer(counting, out)
         _feed(detok, out, ids, random.Random(2), full)
+        assert counting.decodes > 1  # every step decodes the whole output

@@ -188,11 +188,10 @@ def test_a_consumer_that_falls_behind_gets_one_merged_output():
 
     async def main():
         stream = RequestStream("r", asyncio.get_running_loop())
-        stream.push(RequestOutput("r", [1, 2], "ab", logprobs=[TokenLogprob(1, -0.1), TokenLogprob(2, -0.2)]))
-        stream.push(RequestOutput("r", [3], "c", logprobs=[TokenLogprob(3, -0.3)], num_output_tokens=3))
-        stream.push(RequestOutput("r", [4], "d", finished=True, finish_reason="length", num_output_tokens=4))
-        stream.push(RequestOutput("r", [9], "late"))  # never read: the request already finished
-        await asyncio.sleep(0)  # the pushes land on the loop
+        stream.put(RequestOutput("r", [1, 2], "ab", logprobs=[TokenLogprob(1, -0.1), TokenLogprob(2, -0.2)]))
+        stream.put(RequestOutput("r", [3], "c", logprobs=[TokenLogprob(3, -0.3)], num_output_tokens=3))
+        stream.put(RequestOutput("r", [4], "d", finished=True, finish_reason="length", num_output_tokens=4))
+        stream.put(RequestOutput("r", [9], "late"))  # never read: the request already finished
         return [out async for out in stream]
 
     (out,) = run(main())

@@ -31,10 +31,6 @@ class Detokenizer:
         self._stream = DecodeStream(skip_special_tokens=True) if self._backend is not None else None
         self.text = ""
 
-    @property
-    def streaming(self) -> bool:
-        return self._stream is not None
-
     def update(self, final: bool = False) -> str:
         """The whole decoded text of `ids` so far."""
         if self._stream is None or final:

@@ -64,10 +64,6 @@ class OnlineSps:
         """The step-time factor shared by every batch size (1.0 until something is observed)."""
         return math.exp(self._log_drift)
 
-    def corrections(self) -> list[float]:
-        """Estimated / prior step time at each grid point (the drift alone where nothing was observed)."""
-        return [math.exp(c + self._log_drift) for c in self._log_corr]
-
     def sps(self, batch_tokens: torch.Tensor | np.ndarray | float) -> torch.Tensor | np.ndarray | float:
         """Refined steps per second (the input's kind back, like `SpsProfile.sps`)."""
         if not isinstance(batch_tokens, torch.Tensor):

@@ -289,11 +289,6 @@ class RequestStream:
         """Event loop thread: queue one output."""
         self._queue.put_nowait(out)
 
-    def push(self, out: RequestOutput) -> None:
-        """Any thread: hand one output over to the event loop."""
-        with contextlib.suppress(RuntimeError):  # the event loop already closed
-            self.loop.call_soon_threadsafe(self._queue.put_nowait, out)
-
     def __aiter__(self) -> RequestStream:
         return self
 
