@@ -13,13 +13,12 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from dspark.serving.auth import BearerAuth
 from dspark.serving.config import ServeConfig
-from dspark.serving.errors import APIError
 from dspark.serving.openai_routes import build_openai_app
 from dspark.serving.openai_schemas import ChatCompletionRequest, CompletionRequest
 from dspark.serving.openai_service import Frame, JSONReply
@@ -128,7 +127,8 @@ class HandleBackend:
 
 
 def _install_front_routes(app: FastAPI, handle: Any, auth: BearerAuth) -> None:
-    """/health, /ready, /metrics (open) and the OpenAI routes; auth on v1/v2 inference routes."""
+    """/health, /ready, /metrics and the OpenAI routes; the key on every route of the app but the
+    allow-list (`auth.OPEN_ROUTES`), KServe's own v1/v2 and model-repository routes included."""
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -146,18 +146,7 @@ def _install_front_routes(app: FastAPI, handle: Any, auth: BearerAuth) -> None:
             await handle.metrics_text.remote() + generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST
         )
 
-    if auth.enabled:
-
-        @app.middleware("http")
-        async def require_key(request: Request, call_next):
-            path = request.url.path
-            if path.startswith(("/v1/models", "/v2/models")) and not path.endswith("/ready"):
-                try:
-                    await auth(request)
-                except APIError as e:
-                    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-            return await call_next(request)
-
+    auth.install(app)
     app.mount(OPENAI_PREFIX, build_openai_app(HandleBackend(handle), auth, title="DSpark Serve (KServe)"))
 
 

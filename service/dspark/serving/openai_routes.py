@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dspark.serving.auth import BearerAuth, is_guarded
+from dspark.serving.auth import BearerAuth
 from dspark.serving.errors import APIError, error_body, validation_message
 from dspark.serving.openai_schemas import ChatCompletionRequest, CompletionRequest
 from dspark.serving.openai_service import Frame, JSONReply
@@ -85,20 +85,11 @@ def build_openai_app(
     metrics: Callable[[], Awaitable[bytes]] | None = None,
     title: str = "DSpark Serve",
 ) -> FastAPI:
-    """The OpenAI routes; with `ready`/`metrics`, also /health, /ready and /metrics (never behind auth)."""
+    """The OpenAI routes; with `ready`/`metrics`, also /health, /ready and /metrics (open without the key,
+    as every other route is not: `auth.OPEN_ROUTES`)."""
     app = FastAPI(title=title, version="1", docs_url=None, redoc_url=None)
     install_error_handlers(app)
-    if auth.enabled:
-
-        @app.middleware("http")
-        async def require_key(request: Request, call_next):
-            # A middleware, so that an unauthenticated caller gets 401 before any body parsing.
-            if is_guarded(request.url.path):
-                try:
-                    auth.check(request.headers.get("authorization", ""))
-                except APIError as e:
-                    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-            return await call_next(request)
+    auth.install(app)
 
     @app.post("/v1/completions", responses={400: {}, 401: {}, 404: {}, 429: {}})
     async def completions(body: CompletionRequest) -> Response:
