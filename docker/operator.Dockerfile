@@ -11,8 +11,9 @@ COPY pyproject.toml README.md ./
 COPY service ./service
 COPY operator ./operator
 RUN pip install ".[operator]" \
- && useradd --uid 10001 --no-create-home dspark
+ && useradd --uid 10001 --user-group --no-create-home dspark
 
-USER 10001
+# Numeric, so that the kubelet can check runAsNonRoot without the image's passwd.
+USER 10001:10001
 EXPOSE 8080 8081
 CMD ["python", "-m", "dspark_operator"]

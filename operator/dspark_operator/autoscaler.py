@@ -12,7 +12,7 @@ from prometheus_client import Gauge
 from dspark_operator import builders
 from dspark_operator.config import OperatorConfig
 from dspark_operator.kube import Kube
-from dspark_operator.metrics import PodMetricsReader, PrometheusMetricsReader
+from dspark_operator.metrics import MetricsUnavailable, PodMetricsReader, PrometheusMetricsReader
 from dspark_operator.profiling import Event
 from dspark_operator.scaling import (
     CapacityModel,
@@ -94,6 +94,8 @@ class AutoscaleOutcome:
     tiers: dict[str, dict[str, Any]] = field(default_factory=dict)
     events: list[Event] = field(default_factory=list)
     summary: str = ""
+    # Why the metrics could not be read this pass; "" when they could, None when no tier was due.
+    metrics_error: str | None = None
 
 
 def _capacity(
@@ -148,11 +150,20 @@ def autoscale_service(
             config,
             profile_cache,
         )
-        metrics = source.read_tier(kube, namespace, service, tier.name)
+        metrics = None
+        if not outcome.metrics_error:  # after one failure this pass, the other tiers do not wait on it
+            try:
+                metrics = source.read_tier(kube, namespace, service, tier.name)
+                outcome.metrics_error = ""
+            except MetricsUnavailable as exc:
+                outcome.metrics_error = str(exc)
         target = TierTarget(
             tier.tokens_per_second_per_user, tier.ttft_p95_seconds, tier.min_replicas, tier.max_replicas
         )
+        # Without metrics, decide() only keeps the tier inside its bounds: the replicas hold.
         decision = decide(current, metrics, target, capacity, policy, memory, now)
+        if outcome.metrics_error and decision.desired == current:
+            decision = replace(decision, reason=f"held: metrics unavailable ({outcome.metrics_error})")
         evaluations[tier.name] = TierEvaluation(decision, memory, kind, name, metrics)
 
     granted = apportion_by_priority(

@@ -9,6 +9,7 @@ from typing import Any
 
 from dspark.sps_format import PROFILE_BEGIN, PROFILE_END
 
+from dspark_operator import pod_security
 from dspark_operator.spec import GROUP, KIND, VERSION, ServiceSpec, TierSpec
 
 MANAGED_BY = "dspark-operator"
@@ -21,6 +22,8 @@ ANNOTATION_NODE_TYPE = f"{GROUP}/node-type"  # the exact label value
 PROFILE_KEY = "profile.json"
 PROFILE_MOUNT = "/etc/dspark/profile"
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+RAY_DRAINING_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
+RAY_STOP_SECONDS = 30  # serve.shutdown() and ray.shutdown() after the drain, with room to spare
 
 
 def slug(value: str, max_len: int = 20) -> str:
@@ -105,9 +108,10 @@ def build_profile_job(
     }
     annotations = {ANNOTATION_NODE_TYPE: node_type}
     volumes, mounts = _model_volumes(spec)
+    output = f"{pod_security.TMP_DIR}/profile.json"
     script = (
-        'set -e; dspark profile "$@" --output /tmp/profile.json; '
-        f"echo '{PROFILE_BEGIN}'; cat /tmp/profile.json; echo; echo '{PROFILE_END}'"
+        f'set -e; dspark profile "$@" --output {output}; '
+        f"echo '{PROFILE_BEGIN}'; cat {output}; echo; echo '{PROFILE_END}'"
     )
     # The serving replicas' drafter too: the forward they time captures its target layers.
     drafter = ["--drafter", spec.model.drafter] if spec.model.drafter else []
@@ -117,8 +121,13 @@ def build_profile_job(
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["/bin/sh", "-c", script, "dspark-profile", *args],
-        "env": [{"name": "DSPARK_NODE_TYPE", "value": node_type}, *spec.env],
-        "volumeMounts": mounts,
+        "env": [
+            {"name": "DSPARK_NODE_TYPE", "value": node_type},
+            *pod_security.writable_env(),
+            *pod_security.user_env(spec, with_api_key=False),
+        ],
+        "volumeMounts": [*pod_security.writable_mounts(), *mounts],
+        "securityContext": pod_security.container_security_context(),
     }
     if spec.resources:
         container["resources"] = spec.resources
@@ -140,10 +149,12 @@ def build_profile_job(
                 "metadata": {"labels": labels, "annotations": annotations},
                 "spec": {
                     "restartPolicy": "Never",
+                    "automountServiceAccountToken": False,
+                    "securityContext": pod_security.pod_security_context(spec),
                     "nodeSelector": {node_label: node_type},
                     "tolerations": [GPU_TOLERATION],
                     "containers": [container],
-                    "volumes": volumes,
+                    "volumes": [*pod_security.writable_volumes(), *volumes],
                 },
             },
         },
@@ -189,6 +200,8 @@ def _serving_pod_spec(
         {"name": "DSPARK_SPS_PROFILE", "value": f"{PROFILE_MOUNT}/{PROFILE_KEY}"},
         {"name": "DSPARK_TIER", "value": tier.name},
         {"name": "DSPARK_NODE_TYPE", "value": node_type},
+        {"name": "DSPARK_GRACEFUL_SHUTDOWN_TIMEOUT_S", "value": str(spec.serving.drain_seconds)},
+        *pod_security.writable_env(),
     ]
     if spec.model.calibration:
         env.append({"name": "DSPARK_CALIBRATION", "value": spec.model.calibration})
@@ -198,7 +211,7 @@ def _serving_pod_spec(
         "imagePullPolicy": spec.image_pull_policy,
         "command": command,
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
-        "env": [*env, *spec.env],
+        "env": [*env, *pod_security.user_env(spec, with_api_key=True)],
         # Loading weights can take minutes: the startup probe guards liveness until /health answers.
         "startupProbe": {
             "httpGet": {"path": "/health", "port": "http"},
@@ -215,11 +228,25 @@ def _serving_pod_spec(
             "periodSeconds": 5,
             "failureThreshold": 2,
         },
-        "volumeMounts": [{"name": "sps-profile", "mountPath": PROFILE_MOUNT, "readOnly": True}, *mounts],
+        "volumeMounts": [
+            {"name": "sps-profile", "mountPath": PROFILE_MOUNT, "readOnly": True},
+            *pod_security.writable_mounts(),
+            *mounts,
+        ],
+        "securityContext": pod_security.container_security_context(),
     }
+    if spec.serving.pre_stop_seconds:
+        # Kubernetes takes a stopping pod out of its Service's endpoints while this runs, and
+        # kube-proxy stops sending it new connections; the SIGTERM (and the drain) comes after.
+        container["lifecycle"] = {
+            "preStop": {"exec": {"command": ["sleep", str(spec.serving.pre_stop_seconds)]}}
+        }
     if spec.resources:
         container["resources"] = spec.resources
     pod_spec = {
+        "automountServiceAccountToken": False,  # the server never calls the Kubernetes API
+        "securityContext": pod_security.pod_security_context(spec),
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         "nodeSelector": {node_label: node_type},
         "tolerations": [GPU_TOLERATION],
         "volumes": [
@@ -230,10 +257,27 @@ def _serving_pod_spec(
                     "items": [{"key": PROFILE_KEY, "path": PROFILE_KEY}],
                 },
             },
+            *pod_security.writable_volumes(),
             *volumes,
         ],
     }
     return container, pod_spec
+
+
+def termination_grace_seconds(spec: ServiceSpec) -> int:
+    """Longer than a serving pod's slowest stop, so the kubelet never kills a drain halfway.
+
+    The stop is the preStop wait, then up to two drains of `drainSeconds` (KServe's front end
+    finishes its requests, then the Ray replica its own; Ray stretches the replica's to a
+    direct-ingress draining period set in `env`, plus 5 s), then Ray's own shutdown.
+    """
+    drain = spec.serving.drain_seconds
+    draining = next((e.get("value") for e in spec.env if e.get("name") == RAY_DRAINING_ENV), None)
+    try:
+        replica_drain = max(drain, float(draining) + 5) if draining is not None else drain
+    except ValueError:
+        replica_drain = drain
+    return int(spec.serving.pre_stop_seconds + drain + replica_drain + RAY_STOP_SECONDS)
 
 
 def _serving_meta(

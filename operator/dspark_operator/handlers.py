@@ -17,7 +17,7 @@ from prometheus_client import start_http_server
 from dspark_operator.autoscaler import autoscale_service, forget_service, metrics_source
 from dspark_operator.config import OperatorConfig
 from dspark_operator.kube import Kube, connection_settings, load_client_configuration
-from dspark_operator.profiling import observe_node_types, reconcile_profile
+from dspark_operator.profiling import Event, observe_node_types, reconcile_profile
 from dspark_operator.serving import reconcile_workloads
 from dspark_operator.spec import GROUP, PLURAL, VERSION, ServiceSpec
 
@@ -58,10 +58,10 @@ def login(**_: Any) -> kopf.ConnectionInfo:
 
 
 def _post(body: dict[str, Any], events: list) -> None:
+    # kopf.event, not kopf.info: settings.posting.level keeps kopf's own log lines out of the
+    # events, and would drop the operator's Normal events (ScaledUp, ProfileReady, ...) with them.
     for event in events:
-        (kopf.warn if event.type == "Warning" else kopf.info)(
-            body, reason=event.reason, message=event.message
-        )
+        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
 
 
 def _condition(old: list[dict], type_: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
@@ -90,6 +90,10 @@ def _parse_spec(body: dict[str, Any], patch: kopf.Patch) -> ServiceSpec | None:
 
 
 _RECONCILE_LOCKS: dict[str, threading.Lock] = defaultdict(threading.Lock)
+# The MetricsAvailable condition the autoscaler last set, per service uid: both timers write the
+# status' conditions list, and a reconcile pass must not put back an older one from its snapshot.
+_METRICS_CONDITIONS: dict[str, dict[str, Any]] = {}
+METRICS_CONDITION = "MetricsAvailable"
 
 
 def reconcile(body: dict[str, Any], patch: kopf.Patch, logger: logging.Logger) -> None:
@@ -179,6 +183,11 @@ def _reconcile(body: dict[str, Any], patch: kopf.Patch, logger: logging.Logger) 
                 "KServe is not installed; using Deployments",
             )
         )
+    metrics = _METRICS_CONDITIONS.get(body["metadata"]["uid"]) or next(
+        (c for c in old_conditions if c.get("type") == METRICS_CONDITION), None
+    )
+    if metrics is not None:
+        conditions.append(metrics)
     phase = (
         "Ready" if len(deployed) == len(spec.tiers) and not failed else "Degraded" if failed else "Profiling"
     )
@@ -229,6 +238,31 @@ def autoscale_timer(
     if outcome.tiers:
         patch.status["tiers"] = outcome.tiers
         patch.status["replicasSummary"] = outcome.summary
+    if outcome.metrics_error is not None:
+        _report_metrics_health(plain, outcome.metrics_error, patch)
+
+
+def _report_metrics_health(body: dict[str, Any], error: str, patch: kopf.Patch) -> None:
+    """The MetricsAvailable condition, and an event when it changes (not at every pass)."""
+    old_conditions = list((body.get("status") or {}).get("conditions") or [])
+    uid = body["metadata"]["uid"]
+    previous = _METRICS_CONDITIONS.get(uid) or next(
+        (c for c in old_conditions if c.get("type") == METRICS_CONDITION), None
+    )
+    ok = not error
+    if previous is not None and (previous.get("status") == "True") == ok:
+        _METRICS_CONDITIONS[uid] = previous
+        return
+    reason, message = ("Readable", "") if ok else ("Unavailable", f"{error}; replicas held")
+    condition = _condition([previous] if previous else [], METRICS_CONDITION, ok, reason, message)
+    _METRICS_CONDITIONS[uid] = condition
+    patch.status["conditions"] = [c for c in old_conditions if c.get("type") != METRICS_CONDITION] + [
+        condition
+    ]
+    if not ok:
+        _post(body, [Event("Warning", "MetricsUnavailable", message)])
+    elif previous is not None:
+        _post(body, [Event("Normal", "MetricsAvailable", "metrics readable again; autoscaling resumed")])
 
 
 @kopf.on.event(*RESOURCE)
@@ -236,6 +270,7 @@ def on_service_event(event: dict[str, Any], body: kopf.Body, **_: Any) -> None:
     """Drop the deleted service's metric series; Kubernetes' garbage collector removes its objects."""
     if event.get("type") == "DELETED":
         _RECONCILE_LOCKS.pop(body["metadata"].get("uid", ""), None)
+        _METRICS_CONDITIONS.pop(body["metadata"].get("uid", ""), None)
         tiers = [t.get("name") for t in (body.get("spec") or {}).get("tiers") or []]
         forget_service(body["metadata"]["namespace"], body["metadata"]["name"], tiers)
 

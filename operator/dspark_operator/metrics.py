@@ -21,6 +21,10 @@ DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 ACCEPTED_TOKENS = "vllm:spec_decode_num_accepted_tokens"
 
 
+class MetricsUnavailable(Exception):
+    """The metrics backend cannot answer (Prometheus down, unreachable or failing its queries)."""
+
+
 def histogram_quantile(q: float, buckets: Mapping[float, float]) -> float | None:
     """Prometheus' histogram_quantile over cumulative bucket counts keyed by upper bound."""
     ordered = sorted(buckets.items())
@@ -168,12 +172,17 @@ class PrometheusMetricsReader:
         }
 
     def read(self, namespace: str, service: str, tier: str) -> TierMetrics | None:
+        """The tier's metrics, None when it has no series yet; MetricsUnavailable when Prometheus
+        cannot answer."""
         values: dict[str, float | None] = {}
-        with httpx.Client(timeout=self._timeout) as client:
-            for key, query in self.queries(namespace, service, tier).items():
-                response = client.get(self._url, params={"query": query})
-                response.raise_for_status()
-                values[key] = _scalar(response.json())
+        try:
+            with httpx.Client(timeout=self._timeout) as client:
+                for key, query in self.queries(namespace, service, tier).items():
+                    response = client.get(self._url, params={"query": query})
+                    response.raise_for_status()
+                    values[key] = _scalar(response.json())
+        except (httpx.HTTPError, ValueError, RuntimeError) as exc:  # ValueError: not JSON
+            raise MetricsUnavailable(f"Prometheus at {self._url}: {exc}") from exc
         if values["running"] is None and values["tps"] is None:
             return None  # the tier has no series yet
         return TierMetrics(

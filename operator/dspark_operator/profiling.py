@@ -185,12 +185,22 @@ def next_profile_step(
 ) -> ProfileStep:
     """One node type's next profiling step: stored -> Ready; a Job running -> Running; a Job
     succeeded -> store its profile; a Job failed -> retry with exponential backoff until
-    `max_attempts`, then Failed (terminal until the fingerprint changes); no Job -> start one."""
+    `max_attempts` in a row failed, then Failed, and a new round of attempts after
+    `failed_retry_seconds`; no Job -> start one.
+
+    `attempts` counts every Job of the fingerprint (it names them); `roundStart` is the count
+    before the current round began."""
     previous = previous or {}
     node_type = seen.node_type
     same_fp = previous.get("fingerprint") == seen.fingerprint
     attempts = int(previous.get("attempts") or 0) if same_fp else 0
-    base = {"fingerprint": seen.fingerprint, "configMap": seen.config_map, "attempts": attempts}
+    round_start = int(previous.get("roundStart") or 0) if same_fp else 0
+    base = {
+        "fingerprint": seen.fingerprint,
+        "configMap": seen.config_map,
+        "attempts": attempts,
+        "roundStart": round_start,
+    }
     cleanup = tuple(DeleteJob(name) for name in seen.stale_jobs)
 
     if seen.stored is not None:
@@ -219,33 +229,48 @@ def next_profile_step(
                 )
             failure = f"profiling job {job.name} succeeded but its profile is unusable: {seen.harvest}"
         actions = (*cleanup, DeleteJob(job.name))
-        if attempts >= settings.max_attempts:
-            message = f"{failure}; giving up after {attempts} attempts"
+        in_round = attempts - round_start
+        if in_round >= settings.max_attempts:
+            delay = settings.failed_retry_seconds
+            message = f"{failure}; {in_round} attempts in a row failed, a new round in {delay:g}s"
             return ProfileStep(
-                {**base, "state": "Failed", "job": None, "nextRetryAt": None, "message": message},
+                {**base, "state": "Failed", "job": None, "nextRetryAt": iso(now + delay), "message": message},
                 actions,
                 (Event("Warning", "ProfilingFailed", f"{node_type}: {message}"),),
             )
-        delay = settings.backoff_seconds * 2 ** (attempts - 1)
-        message = f"{failure}; retry {attempts + 1}/{settings.max_attempts} in {delay:g}s"
+        delay = settings.backoff_seconds * 2 ** (in_round - 1)
+        message = f"{failure}; retry {in_round + 1}/{settings.max_attempts} in {delay:g}s"
         return ProfileStep(
             {**base, "state": "Retrying", "job": None, "nextRetryAt": iso(now + delay), "message": message},
             actions,
             (Event("Warning", "ProfilingRetry", f"{node_type}: {message}"),),
         )
 
-    if same_fp and previous.get("state") == "Failed":
-        return ProfileStep({**previous}, cleanup)  # terminal until the spec changes the fingerprint
     retry_at = parse_time(previous.get("nextRetryAt")) if same_fp else None
+    failed = same_fp and previous.get("state") == "Failed"
+    if failed and retry_at is None:  # recorded without a retry time: the back-off starts now
+        return ProfileStep({**previous, "nextRetryAt": iso(now + settings.failed_retry_seconds)}, cleanup)
     if retry_at is not None and now < retry_at:
-        return ProfileStep({**previous, **base, "state": "Retrying"}, cleanup)
+        return ProfileStep({**previous, **base, "state": "Failed" if failed else "Retrying"}, cleanup)
 
+    started = f"job {{name}} (attempt {attempts + 1})"
+    if failed:  # the back-off after a failed round is over: a new round of attempts
+        round_start = attempts
+        started += f", after {attempts} failed"
     attempts += 1
     name = f"{seen.job_prefix}-{attempts}"
     return ProfileStep(
-        {**base, "attempts": attempts, "state": "Running", "job": name, "nextRetryAt": None, "message": None},
+        {
+            **base,
+            "attempts": attempts,
+            "roundStart": round_start,
+            "state": "Running",
+            "job": name,
+            "nextRetryAt": None,
+            "message": None,
+        },
         (*cleanup, CreateJob(name, attempts)),
-        (Event("Normal", "ProfilingStarted", f"{node_type}: job {name} (attempt {attempts})"),),
+        (Event("Normal", "ProfilingStarted", f"{node_type}: {started.format(name=name)}"),),
     )
 
 

@@ -29,15 +29,26 @@ class ModelSource(_Spec):
     pvc: PvcSource | None = None
 
 
+class SecretKeyRef(_Spec):
+    name: str = Field(min_length=1)
+    key: str = Field("api-key", min_length=1)
+
+
 class ServingSpec(_Spec):
     kind: Literal["Deployment", "InferenceService"] = "Deployment"
     port: int = Field(8000, ge=1, le=65535)
+    # The server's graceful_shutdown_timeout_s: how long a stopping replica lets requests finish.
+    drain_seconds: int = Field(30, alias="drainSeconds", ge=0)
+    # The preStop hook's wait, while kube-proxy stops routing new connections to the pod.
+    pre_stop_seconds: int = Field(5, alias="preStopSeconds", ge=0)
 
 
 class ProfilingSpec(_Spec):
     timeout_seconds: int = Field(1800, alias="timeoutSeconds", ge=1)
     max_attempts: int = Field(5, alias="maxAttempts", ge=1)
     backoff_seconds: float = Field(60, alias="backoffSeconds", gt=0)
+    # After max_attempts failures in a row the node type is Failed; this long after, a new round.
+    failed_retry_seconds: float = Field(3600, alias="failedRetrySeconds", gt=0)
     extra_args: tuple[str, ...] = Field((), alias="extraArgs")
 
 
@@ -78,6 +89,8 @@ class ServiceSpec(_Spec):
     dtype: str = "bfloat16"
     extra_args: tuple[str, ...] = Field((), alias="extraArgs")
     env: tuple[dict[str, Any], ...] = ()
+    api_key_secret_ref: SecretKeyRef | None = Field(None, alias="apiKeySecretRef")
+    run_as_user: int = Field(10001, alias="runAsUser", ge=1)
     resources: dict[str, Any] = Field(default_factory=dict)
     node_type_label: str | None = Field(None, alias="nodeTypeLabel")
     node_types: tuple[str, ...] = Field(alias="nodeTypes", min_length=1)

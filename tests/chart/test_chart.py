@@ -46,6 +46,13 @@ VALUE_SETS = {
         "--set",
         "operator.image.tag=dev",
     ],
+    "clusterwide": [
+        *EVERYTHING_ON,
+        "--set",
+        "operator.clusterWide=true",
+        "--set-json",
+        'networkPolicy.servingFrom=[{"namespaceSelector": {"matchLabels": {"team": "gateway"}}}]',
+    ],
 }
 
 
@@ -126,10 +133,64 @@ def test_everything_renders_example_monitoring_and_dashboard(helm):
         assert metric in exprs
 
 
+def operator_env(docs: list[dict]) -> dict[str, str]:
+    operator = next(d for d in docs if d["kind"] == "Deployment")
+    return {e["name"]: e["value"] for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+
+def namespaced_grants(docs: list[dict]) -> list[tuple[str, str]]:
+    """(namespace, role) of every RoleBinding, each checked to bind a Role of its own namespace."""
+    roles = {(d["metadata"]["namespace"], d["metadata"]["name"]) for d in docs if d["kind"] == "Role"}
+    grants = []
+    for binding in (d for d in docs if d["kind"] == "RoleBinding"):
+        key = (binding["metadata"]["namespace"], binding["roleRef"]["name"])
+        assert binding["roleRef"]["kind"] == "Role" and key in roles
+        grants.append(key)
+    return sorted(grants)
+
+
+def test_rbac_is_namespaced_by_default_and_cluster_wide_on_request(helm):
+    docs = render(helm, [])
+    assert namespaced_grants(docs) == [("serving", "rel-dspark")]
+    assert operator_env(docs)["DSPARK_OPERATOR_NAMESPACES"] == "serving"
+    # Cluster-wide only what has no namespace: list nodes, get KServe's CRD.
+    cluster_rules = [r for d in docs if d["kind"] == "ClusterRole" for r in d["rules"]]
+    assert {res for r in cluster_rules for res in r["resources"]} == {"nodes", "customresourcedefinitions"}
+    assert {v for r in cluster_rules for v in r["verbs"]} == {"list", "get"}
+
+    docs = render(helm, VALUE_SETS["clusterwide"])
+    assert namespaced_grants(docs) == []
+    assert operator_env(docs)["DSPARK_OPERATOR_NAMESPACES"] == ""
+    bound = {d["roleRef"]["name"] for d in docs if d["kind"] == "ClusterRoleBinding"}
+    assert bound == {"rel-dspark", "rel-dspark-cluster"}
+
+
+def test_network_policies_open_only_the_ports_that_serve(helm):
+    docs = render(helm, VALUE_SETS["clusterwide"])
+    policies = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+    assert [r["ports"] for r in policies["rel-dspark-operator"]["ingress"]] == [
+        [{"port": "metrics", "protocol": "TCP"}]
+    ]
+    serving = policies["rel-dspark-serving"]
+    assert serving["podSelector"]["matchLabels"]["dspark.ai/component"] == "serving"
+    (rule,) = serving["ingress"]
+    assert rule["ports"] == [{"port": "http", "protocol": "TCP"}]
+    # The listed peers, and the operator (it scrapes /metrics when no Prometheus is set).
+    assert rule["from"][0] == {"namespaceSelector": {"matchLabels": {"team": "gateway"}}}
+    assert rule["from"][1]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "operator"
+    assert policies["rel-dspark-profiling"]["ingress"] == []
+    assert not [
+        d for d in render(helm, ["--set", "networkPolicy.enabled=false"]) if d["kind"] == "NetworkPolicy"
+    ]
+
+
 def test_namespaced_install_uses_role_bindings(helm):
     docs = render(helm, VALUE_SETS["namespaced"])
-    bindings = [d for d in docs if d["kind"] == "RoleBinding"]
-    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    assert namespaced_grants(docs) == [("team-a", "rel-dspark"), ("team-b", "rel-dspark")]
+    serving_policies = [
+        d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "rel-dspark-serving"
+    ]
+    assert sorted(d["metadata"]["namespace"] for d in serving_policies) == ["team-a", "team-b"]
     assert not [d for d in docs if d["kind"] == "ServiceAccount"]
     operator = next(d for d in docs if d["kind"] == "Deployment")
     env = {e["name"]: e["value"] for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]}
@@ -138,9 +199,10 @@ def test_namespaced_install_uses_role_bindings(helm):
     assert operator["spec"]["template"]["spec"]["containers"][0]["image"].endswith(":dev")
 
 
-def test_rbac_is_least_privilege(helm):
-    docs = render(helm, [])
-    rules = [r for d in docs if d["kind"] == "ClusterRole" for r in d["rules"]]
+@pytest.mark.parametrize("name", ["defaults", "clusterwide"])
+def test_rbac_is_least_privilege(helm, name):
+    docs = render(helm, VALUE_SETS[name])
+    rules = [r for d in docs if d["kind"] in ("ClusterRole", "Role") for r in d["rules"]]
     verbs = {v for r in rules for v in r["verbs"]}
     assert "*" not in verbs and not any("*" in r["resources"] for r in rules)
     assert not any("secrets" in r["resources"] for r in rules)

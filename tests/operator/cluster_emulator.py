@@ -1,7 +1,7 @@
 """kmock's in-memory Kubernetes, grown the few API-server duties the operator relies on.
 
-Adds what a real API server does and kmock leaves out: uid, resourceVersion, generation and
-creationTimestamp on objects, the garbage collector's cascade along ownerReferences, and 422 for a failed JSON-patch test.
+Adds what a real API server does and kmock leaves out: uid, resourceVersion, generation,
+creationTimestamp and a name from generateName on objects, the garbage collector's cascade along ownerReferences, and 422 for a failed JSON-patch test.
 Runs in its own thread and event loop so tests and the operator talk to it over HTTP.
 """
 
@@ -60,6 +60,8 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             version = str(next(self._versions))
             if request.action == kmock.action.CREATE:
                 meta = request.data.setdefault("metadata", {})
+                if not meta.get("name") and meta.get("generateName"):  # kopf's events use it
+                    meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
                 meta.setdefault("uid", str(uuid.uuid4()))
                 meta.setdefault("generation", 1)
                 meta.setdefault("creationTimestamp", datetime.datetime.now(datetime.UTC).isoformat())

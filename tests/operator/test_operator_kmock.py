@@ -8,6 +8,8 @@ local HTTP server whose per-user speed and TTFT the test dials up and down.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import threading
 import time
@@ -20,6 +22,7 @@ import kopf.testing
 import pytest
 from cluster_emulator import EmulatedCluster
 from dspark.sps_format import PROFILE_BEGIN, PROFILE_END
+from dspark_operator import handlers
 from dspark_operator.kube import Kube, load_client_configuration
 from operator_fixtures import profile_json, service
 from prometheus_client import REGISTRY, CollectorRegistry, Gauge, Histogram, generate_latest
@@ -107,14 +110,20 @@ def cluster(tmp_path, monkeypatch) -> Iterator[tuple[EmulatedCluster, Kube]]:
         yield emulated, kube
 
 
-@pytest.fixture()
-def operator_running(cluster) -> Iterator[kopf.testing.KopfRunner]:
+@contextlib.contextmanager
+def run_operator() -> Iterator[kopf.testing.KopfRunner]:
     settings = kopf.OperatorSettings()
     settings.scanning.disabled = True
     args = ["run", "--standalone", "--namespace", NS, "-m", "dspark_operator.handlers"]
     with kopf.testing.KopfRunner(args, settings=settings) as runner:
         yield runner
     assert runner.exception is None, runner.output[-3000:]
+
+
+@pytest.fixture()
+def operator_running(cluster) -> Iterator[kopf.testing.KopfRunner]:
+    with run_operator() as runner:
+        yield runner
 
 
 def wait_for(what: str, probe: Callable[[], Any], timeout: float = 20.0) -> Any:
@@ -220,8 +229,8 @@ def test_service_profiles_deploys_scales_and_cleans_up(cluster, operator_running
             else None
         ),
     )
-    assert failed["attempts"] == 2 and "giving up" in failed["message"]
-    time.sleep(1.5)  # longer than the backoff: still no new Job
+    assert failed["attempts"] == 2 and "2 attempts in a row failed" in failed["message"]
+    time.sleep(1.5)  # longer than the backoff, far shorter than failedRetrySeconds: still no new Job
     assert jobs_for(kube, "nvidia-l40s") == []
     assert status(kube)["phase"] == "Degraded"
 
@@ -250,6 +259,7 @@ def test_service_profiles_deploys_scales_and_cleans_up(cluster, operator_running
     wait_for("scale up to max 4", lambda: replicas(kube, "interactive") == 4)
     tier = wait_for("status of the scale-up", lambda: tier_at(kube, desired=4))
     assert "per-user p50" in tier["lastDecision"]
+    assert wait_for("ScaledUp events", lambda: len(events(kube, "ScaledUp")) >= 2)
     last_up = tier["lastScaleTime"]
     assert (
         REGISTRY.get_sample_value(
@@ -314,3 +324,139 @@ def test_invalid_spec_is_reported_not_crashed(cluster, operator_running):
     assert "minReplicas" in condition[0]["message"]
     assert status(kube)["phase"] == "Invalid"
     assert kube.list("Job", NS) == []
+
+
+def events(kube: Kube, reason: str) -> list[dict]:
+    return [
+        e for e in kube._call("GET", f"/api/v1/namespaces/{NS}/events")["items"] if e.get("reason") == reason
+    ]
+
+
+def condition(kube: Kube, type_: str) -> dict | None:
+    return next((c for c in status(kube).get("conditions", []) if c["type"] == type_), None)
+
+
+def test_a_failed_profile_is_tried_again_after_its_back_off(cluster, operator_running):
+    emulated, kube = cluster
+    profiling = {"timeoutSeconds": 600, "maxAttempts": 1, "backoffSeconds": 1, "failedRetrySeconds": 2}
+    kube._call("POST", CRS, body=service(nodeTypes=["NVIDIA-H200"], profiling=profiling))
+    first = wait_for("first profiling job", lambda: jobs_for(kube, "nvidia-h200"))[0]
+    kube.patch("Job", NS, first["metadata"]["name"], {"status": {"failed": 1}})
+    wait_for(
+        "Failed", lambda: status(kube).get("profiles", {}).get("NVIDIA-H200", {}).get("state") == "Failed"
+    )
+    assert status(kube)["phase"] == "Degraded" and condition(kube, "ProfilesReady")["status"] == "False"
+    assert wait_for("ProfilingFailed event", lambda: events(kube, "ProfilingFailed"))
+    assert kube.get("Deployment", NS, "chat-interactive") is None
+
+    # After failedRetrySeconds a new round starts, and its success deploys the tiers.
+    second = wait_for(
+        "a new round's job",
+        lambda: [j for j in jobs_for(kube, "nvidia-h200") if j["metadata"]["name"].endswith("-2")],
+    )[0]
+    finish_profiling_job(emulated, kube, second, f"{PROFILE_BEGIN}\n{profile_json()}\n{PROFILE_END}\n")
+    wait_for("interactive deployment", lambda: kube.get("Deployment", NS, "chat-interactive"))
+    wait_for("phase Ready", lambda: status(kube).get("phase") == "Ready")
+    profile = status(kube)["profiles"]["NVIDIA-H200"]
+    assert profile["state"] == "Ready" and profile["attempts"] == 2 and profile["roundStart"] == 1
+
+
+class FakePrometheus:
+    """Prometheus' instant-query API on a fixed port, answering from a dialled tier; `stop()`
+    takes it away (connections refused), `start()` brings it back on the same port."""
+
+    def __init__(self) -> None:
+        self.tokens_per_second, self.ttft, self.running = 50.0, 0.2, 2.0
+        self.port = 0
+        self.server: ThreadingHTTPServer | None = None
+
+    def answer(self, query: str) -> list[dict]:
+        if query.startswith("histogram_quantile(0.5,"):
+            value = self.tokens_per_second
+        elif query.startswith("histogram_quantile(0.95,"):
+            value = self.ttft
+        elif query.startswith("sum(vllm:num_requests_running"):
+            value = self.running
+        elif query.startswith("sum(vllm:num_requests_waiting"):
+            value = 0.0
+        else:
+            return []  # no spec-decode counters: the operator's defaults apply
+        return [{"metric": {}, "value": [time.time(), str(value)]}]
+
+    def start(self) -> None:
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                from urllib.parse import parse_qs, urlparse
+
+                query = parse_qs(urlparse(self.path).query)["query"][0]
+                body = {"status": "success", "data": {"resultType": "vector", "result": fake.answer(query)}}
+                payload = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+
+@pytest.fixture()
+def prometheus(monkeypatch) -> Iterator[FakePrometheus]:
+    fake = FakePrometheus()
+    fake.start()
+    config = handlers.CONFIG.model_copy(update={"prometheus_url": f"http://127.0.0.1:{fake.port}"})
+    monkeypatch.setattr(handlers, "CONFIG", config)  # read by the operator's start-up handler
+    yield fake
+    fake.stop()
+
+
+def test_a_prometheus_outage_holds_replicas_with_a_condition_and_an_event(cluster, prometheus):
+    emulated, kube = cluster
+    with run_operator():
+        kube._call("POST", CRS, body=service(nodeTypes=["NVIDIA-H200"]))
+        job = wait_for("profiling job", lambda: jobs_for(kube, "nvidia-h200"))[0]
+        finish_profiling_job(emulated, kube, job, f"{PROFILE_BEGIN}\n{profile_json()}\n{PROFILE_END}\n")
+        wait_for("interactive deployment", lambda: kube.get("Deployment", NS, "chat-interactive"))
+
+        # Below target: the tier scales up from Prometheus' numbers.
+        prometheus.tokens_per_second, prometheus.running = 15.0, 4.0
+        wait_for("scale up to 2", lambda: replicas(kube, "interactive") == 2)
+        assert condition(kube, "MetricsAvailable")["status"] == "True"
+
+        # Prometheus goes away: a condition and an event, and the replicas hold (the metrics it
+        # last gave would scale the tier to 4 once the 1 s cool-down is over).
+        prometheus.stop()
+        down = wait_for(
+            "MetricsAvailable False",
+            lambda: c if (c := condition(kube, "MetricsAvailable")) and c["status"] == "False" else None,
+        )
+        assert "Prometheus" in down["message"] and "replicas held" in down["message"]
+        assert wait_for("MetricsUnavailable event", lambda: events(kube, "MetricsUnavailable"))
+        held = wait_for(
+            "a held decision",
+            lambda: "metrics unavailable" in (status(kube)["tiers"]["interactive"].get("lastDecision") or ""),
+        )
+        assert held
+        evaluated = status(kube)["tiers"]["interactive"]["lastEvaluated"]
+        time.sleep(2.0)
+        assert replicas(kube, "interactive") == 2 and replicas(kube, "batch") == 1
+        assert status(kube)["tiers"]["interactive"]["lastEvaluated"] > evaluated  # the passes go on
+        assert len(events(kube, "MetricsUnavailable")) == 1  # one event per outage, not per pass
+
+        # It comes back: the condition clears, an event says so, and scaling resumes.
+        prometheus.start()
+        wait_for("MetricsAvailable True", lambda: condition(kube, "MetricsAvailable")["status"] == "True")
+        assert wait_for("MetricsAvailable event", lambda: events(kube, "MetricsAvailable"))
+        wait_for("scale up to max 4", lambda: replicas(kube, "interactive") == 4)

@@ -166,7 +166,7 @@ def test_next_profile_step_stores_a_harvested_profile():
     assert again.ready and again.actions == (DeleteJob("job-1"),)
 
 
-def test_next_profile_step_retries_with_backoff_then_gives_up():
+def test_next_profile_step_retries_with_backoff_then_rounds_after_a_longer_one():
     unusable = seen([ProfileJob("job-1", 1, "Succeeded")], harvest="no profile block")
     step = next_profile_step(unusable, None, SETTINGS, now=100.0)
     assert step.status["state"] == "Retrying" and "unusable: no profile block" in step.status["message"]
@@ -176,7 +176,25 @@ def test_next_profile_step_retries_with_backoff_then_gives_up():
     assert retry.actions == (CreateJob("job-2", 2),)
     failed = next_profile_step(seen([ProfileJob("job-2", 2, "Failed")]), retry.status, SETTINGS, now=120.0)
     assert failed.status["state"] == "Failed" and [e.reason for e in failed.events] == ["ProfilingFailed"]
-    assert next_profile_step(seen(), failed.status, SETTINGS, now=999.0).actions == ()  # terminal
+    # Failed holds for failedRetrySeconds (default 3600), then a new round of maxAttempts starts.
+    held = next_profile_step(seen(), failed.status, SETTINGS, now=3000.0)
+    assert held.actions == () and held.status["state"] == "Failed"
+    again = next_profile_step(seen(), held.status, SETTINGS, now=3721.0)
+    assert again.actions == (CreateJob("job-3", 3),) and again.status["roundStart"] == 2
+    assert "after 2 failed" in again.events[0].message
+    # The new round backs off from its own first failure, and fails after its own maxAttempts.
+    retry = next_profile_step(seen([ProfileJob("job-3", 3, "Failed")]), again.status, SETTINGS, now=3730.0)
+    assert retry.status["state"] == "Retrying" and "retry 2/2 in 10s" in retry.status["message"]
+    retry = next_profile_step(seen(), retry.status, SETTINGS, now=3741.0)
+    failed = next_profile_step(seen([ProfileJob("job-4", 4, "Failed")]), retry.status, SETTINGS, now=3750.0)
+    assert failed.status["state"] == "Failed" and failed.status["attempts"] == 4
+
+
+def test_a_failed_profile_recorded_without_a_retry_time_backs_off_from_now():
+    old = {"fingerprint": "fp", "configMap": "cm", "attempts": 2, "state": "Failed", "nextRetryAt": None}
+    step = next_profile_step(seen(), old, SETTINGS, now=100.0)
+    assert step.actions == () and step.status["nextRetryAt"] is not None
+    assert next_profile_step(seen(), step.status, SETTINGS, now=3701.0).actions == (CreateJob("job-3", 3),)
 
 
 def test_builders_names_fit_kubernetes_limits():
@@ -230,6 +248,80 @@ def test_serving_pods_listen_where_probes_and_services_connect(kind):
     # The kubelet's probes and the Service connect to the pod's IP, not its loopback.
     assert command[command.index("--host") + 1] == "0.0.0.0"
     assert int(command[command.index("--port") + 1]) == container["ports"][0]["containerPort"]
+
+
+def built_pods(spec: ServiceSpec) -> dict[str, dict]:
+    """The pod spec of every kind of pod the operator creates."""
+    tier = spec.tiers[0]
+    deployment = builders.build_serving_deployment(BODY, spec, tier, "gpu", "H200", "fp", 1)
+    isvc = builders.build_inference_service(BODY, spec, tier, "gpu", "H200", "fp", 1)
+    job = builders.build_profile_job(BODY, spec, "gpu", "H200", "fp")
+    return {
+        "serving": deployment["spec"]["template"]["spec"],
+        "kserve": isvc["spec"]["predictor"],
+        "profile": job["spec"]["template"]["spec"],
+    }
+
+
+def test_every_pod_is_restricted_with_writable_caches_on_empty_dirs():
+    """Pod Security "restricted", no service-account token, and every directory the server writes
+    (pointed to by its environment) on an emptyDir under the read-only root filesystem."""
+    for name, pod in built_pods(ServiceSpec.model_validate(service(runAsUser=12345)["spec"])).items():
+        assert pod["automountServiceAccountToken"] is False, name
+        assert pod["securityContext"] == {
+            "runAsNonRoot": True,
+            "runAsUser": 12345,
+            "runAsGroup": 12345,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        }
+        (container,) = pod["containers"]
+        context = container["securityContext"]
+        assert context["allowPrivilegeEscalation"] is False and context["privileged"] is False
+        assert context["readOnlyRootFilesystem"] is True and context["capabilities"] == {"drop": ["ALL"]}
+        empty_dirs = {v["name"] for v in pod["volumes"] if "emptyDir" in v}
+        writable = [m["mountPath"] for m in container["volumeMounts"] if m["name"] in empty_dirs]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        for var in ("DSPARK_HOME", "HF_HOME", "TORCHINDUCTOR_CACHE_DIR", "TORCH_EXTENSIONS_DIR", "TMPDIR"):
+            assert any(env[var] == d or env[var].startswith(d + "/") for d in writable), (name, var)
+    command = built_pods(ServiceSpec.model_validate(SERVICE["spec"]))["profile"]["containers"][0]["command"]
+    assert "--output /tmp/profile.json" in command[2]
+
+
+def test_the_api_key_comes_from_its_secret_and_never_reaches_profiling_jobs():
+    env = [{"name": "DSPARK_API_KEY", "value": "plain"}, {"name": "HTTP_PROXY", "value": "p"}]
+    ref = {"name": "chat-key", "key": "token"}
+    pods = built_pods(ServiceSpec.model_validate(service(env=env, apiKeySecretRef=ref)["spec"]))
+    for name in ("serving", "kserve"):
+        keys = [e for e in pods[name]["containers"][0]["env"] if e["name"] == "DSPARK_API_KEY"]
+        assert keys == [{"name": "DSPARK_API_KEY", "valueFrom": {"secretKeyRef": ref}}], name
+    job_env = {e["name"] for e in pods["profile"]["containers"][0]["env"]}
+    assert "HTTP_PROXY" in job_env and "DSPARK_API_KEY" not in job_env
+    # Without a Secret the free-form env still reaches the serving pods, and still not the Jobs.
+    pods = built_pods(ServiceSpec.model_validate(service(env=env)["spec"]))
+    assert {"name": "DSPARK_API_KEY", "value": "plain"} in pods["serving"]["containers"][0]["env"]
+    assert "DSPARK_API_KEY" not in {e["name"] for e in pods["profile"]["containers"][0]["env"]}
+
+
+@pytest.mark.parametrize(
+    ("serving", "env", "grace"),
+    [
+        ({}, [], 5 + 30 + 30 + 30),
+        ({"drainSeconds": 60, "preStopSeconds": 10}, [], 10 + 60 + 60 + 30),
+        # Ray stretches a direct-ingress replica's drain to its draining period plus 5 s.
+        ({}, [{"name": "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "value": "40"}], 5 + 30 + 45 + 30),
+    ],
+)
+def test_the_grace_period_outlasts_prestop_and_drain(serving, env, grace):
+    spec = ServiceSpec.model_validate(service(serving=serving, env=env)["spec"])
+    pod = built_pods(spec)["serving"]
+    assert pod["terminationGracePeriodSeconds"] == grace
+    (container,) = pod["containers"]
+    assert container["lifecycle"]["preStop"]["exec"]["command"] == [
+        "sleep",
+        str(spec.serving.pre_stop_seconds),
+    ]
+    drain = {e["name"]: e.get("value") for e in container["env"]}["DSPARK_GRACEFUL_SHUTDOWN_TIMEOUT_S"]
+    assert drain == str(spec.serving.drain_seconds)
 
 
 def test_inference_service_is_raw_mode_with_pinned_replicas():

@@ -26,7 +26,7 @@ def test_auto_ingress_is_direct_only_for_one_fixed_replica(values, direct):
 
 
 def test_direct_ingress_puts_the_one_replica_on_the_server_port():
-    env = ingress_env(load_config(overrides={"port": 8123}, environ={}))
+    env = ingress_env(load_config(overrides={"port": 8123}, environ={}), environ={})
     assert env[DIRECT_INGRESS_FLAG] == "1"
     # Ray allocates replica ports from [min, max): here only the server's own port.
     assert (env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"], env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]) == (
@@ -35,6 +35,14 @@ def test_direct_ingress_puts_the_one_replica_on_the_server_port():
     )
     assert env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "0"
     assert ingress_env(load_config(overrides={"ingress": "proxy"}, environ={})) == {}
+
+
+def test_a_draining_period_set_in_the_environment_is_kept():
+    """A pod behind a load balancer may want Ray's own deregistration wait; `dspark serve` keeps it."""
+    config = load_config(environ={})
+    env = ingress_env(config, {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "7"})
+    assert env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "7"
+    assert ingress_env(config, {})["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "0"
 
 
 def test_a_port_in_use_is_refused_with_the_address():

@@ -39,3 +39,10 @@ app.kubernetes.io/component: operator
 {{- define "dspark.servingImage" -}}
 {{- printf "%s:%s" .Values.serving.image.repository (default .Chart.AppVersion .Values.serving.image.tag) -}}
 {{- end -}}
+
+{{- /* The namespaces whose DSparkServices the operator reconciles; empty when it watches all. */ -}}
+{{- define "dspark.watchNamespaces" -}}
+{{- if not .Values.operator.clusterWide -}}
+{{- join "," (default (list .Release.Namespace) .Values.operator.watchNamespaces) -}}
+{{- end -}}
+{{- end -}}

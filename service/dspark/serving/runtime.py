@@ -57,7 +57,10 @@ def replica_env() -> dict[str, str]:
 DIRECT_INGRESS_FLAG = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
 
 
-def ingress_env(config: Any) -> dict[str, str]:
+DIRECT_INGRESS_DRAINING = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
+
+
+def ingress_env(config: Any, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """Ray Serve settings for the config's ingress. Ray's processes read them once, at their start.
 
     Direct ingress (Ray Serve's own mode) runs the replica's ASGI app on a uvicorn server in the
@@ -67,13 +70,16 @@ def ingress_env(config: Any) -> dict[str, str]:
     """
     if not config.direct_ingress:
         return {}
+    environ = os.environ if environ is None else environ
     return {
         DIRECT_INGRESS_FLAG: "1",
         "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(config.port),
         "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(config.port + 1),  # exclusive
-        # Ray holds a direct-ingress replica open this long for a load balancer to deregister it;
-        # nothing sits in front of this one.
-        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+        # Ray holds a stopping direct-ingress replica open this long (30 s by default, and it
+        # stretches the drain to match) for a load balancer in front to deregister it. A bare
+        # server has nothing in front; a pod's preStop hook waits out kube-proxy before the SIGTERM,
+        # inside the pod's grace period. A value in the environment wins.
+        DIRECT_INGRESS_DRAINING: environ.get(DIRECT_INGRESS_DRAINING, "0"),
     }
 
 
