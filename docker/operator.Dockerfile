@@ -11,7 +11,7 @@ COPY pyproject.toml README.md ./
 COPY service ./service
 COPY operator ./operator
 RUN pip install ".[operator]" \
- && useradd --uid 10001 --user-group --no-create-home dspark
+ && groupadd --gid 10001 dspark && useradd --uid 10001 --gid 10001 --no-create-home dspark
 
 # Numeric, so that the kubelet can check runAsNonRoot without the image's passwd.
 USER 10001:10001

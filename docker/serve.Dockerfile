@@ -28,7 +28,7 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 # PyPI's Linux torch wheels bundle the CUDA runtime; the node provides the driver.
 RUN pip install ".[service]" \
- && useradd --uid 10001 --user-group --create-home dspark \
+ && groupadd --gid 10001 dspark && useradd --uid 10001 --gid 10001 --create-home dspark \
  && mkdir -p /models /var/cache/dspark && chown 10001:10001 /models /var/cache/dspark
 
 # Numeric, so that the kubelet can check runAsNonRoot without the image's passwd.
