@@ -22,7 +22,7 @@ from dspark.engine.sampling_params import SamplingParams
 from dspark.engine.scheduler import Scheduler, StepPlan
 from dspark.engine.static_runner import StaticStepRunner
 from dspark.engine.stats import step_stats
-from dspark.engine.structured import GrammarCompiler
+from dspark.engine.structured import GrammarCompiler, GrammarState
 from dspark.engine.verify import verify
 from dspark.engine.verify_policy import VerifyPolicy
 from dspark.models.compiled_forward import compiled_or_eager
@@ -123,8 +123,12 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         on_output: Callable[[RequestOutput], None] | None = None,
+        grammar: GrammarState | None = None,
     ) -> str:
-        """Queue a request; raise ValueError (nothing queued) when it cannot be served."""
+        """Queue a request; raise ValueError (nothing queued) when it cannot be served.
+
+        `grammar`: the request's structured-output state from `compile_grammar`, when compiled
+        beforehand; a structured request without one is compiled here."""
         prompt = list(prompt_token_ids)
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -142,7 +146,8 @@ class LLMEngine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        grammar = self.grammars.compile(params.structured) if params.structured is not None else None
+        if grammar is None:
+            grammar = self.compile_grammar(params)
         request = Request(
             request_id, prompt, params, on_output=on_output, generator=generator, grammar=grammar
         )
@@ -152,6 +157,11 @@ class LLMEngine:
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request_id
+
+    def compile_grammar(self, params: SamplingParams) -> GrammarState | None:
+        """The grammar state of a request with `params` (None without a constraint); ValueError when
+        the constraint is invalid. Thread-safe, so that a server compiles off the stepping thread."""
+        return self.grammars.compile(params.structured) if params.structured is not None else None
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.get(request_id)

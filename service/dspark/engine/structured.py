@@ -14,6 +14,7 @@ draft instead of computing rows that verification can never reach.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Sequence
 
 import llguidance
@@ -39,22 +40,38 @@ def compile_grammar(spec: StructuredOutput) -> str:
 
 
 class GrammarCompiler:
-    """Compiles requests' constraints against the target's tokenizer; llguidance's view of the
-    tokenizer takes about a second to build, so it is built at the first structured request."""
+    """Compiles requests' constraints against the target's tokenizer. Thread-safe: a server compiles
+    on worker threads (llguidance releases the GIL) while the engine steps.
+
+    llguidance's view of the tokenizer takes about a second to build: `prepare` builds it (a server
+    does at start-up), else the first structured request does.
+    """
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_ids: Sequence[int]) -> None:
         self._hf = hf_tokenizer
         self._vocab = vocab_size
         self._eos = sorted(eos_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+
+    def prepare(self) -> None:
+        """Build llguidance's tokenizer now (nothing without the engine's tokenizer)."""
+        if self._hf is not None:
+            self._llg_tokenizer()
 
     def compile(self, spec: StructuredOutput) -> GrammarState:
         """A new request's grammar state; ValueError names an invalid schema, regex or grammar."""
         if self._hf is None:
             raise ValueError("structured outputs need the engine's tokenizer")
-        if self._tokenizer is None:
-            self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self._vocab, eos_token=self._eos)
-        return GrammarState(spec, self._tokenizer, self._eos)
+        return GrammarState(spec, self._llg_tokenizer(), self._eos)
+
+    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf, n_vocab=self._vocab, eos_token=self._eos
+                )
+            return self._tokenizer
 
 
 class GrammarState:

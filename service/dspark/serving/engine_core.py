@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 import threading
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from dspark.engine.outputs import RequestOutput
@@ -30,10 +30,14 @@ from dspark.serving.engine_messages import (
     StepReport,
     Stop,
 )
+from dspark.serving.grammar_jobs import GrammarJobs
 from dspark.serving.threads import GOMP_CPU_AFFINITY, ThreadPlan
 
 # Named, not __name__: run as `python -m`, this module is __main__, outside the dspark logger.
 log = logging.getLogger("dspark.serving.engine_core")
+# How often an engine loop that is not stepping (grammars compiling) reports that it is alive: the
+# replica counts a busy engine silent for longer than its stall timeout as hung.
+HEARTBEAT_S = 1.0
 
 
 class ReplicaGone(Exception):
@@ -41,7 +45,12 @@ class ReplicaGone(Exception):
 
 
 class EngineCore:
-    """Steps `engine` while any request is unfinished and sends one `StepReport` per step."""
+    """Steps `engine` while any request is unfinished and sends one `StepReport` per step.
+
+    Structured requests wait for their grammar on a worker thread (`GrammarJobs`) and join the
+    batch between two steps once it is compiled; meanwhile a `StepReport` every `HEARTBEAT_S`
+    tells the replica that the loop is alive although no step runs.
+    """
 
     def __init__(self, engine: Any, conn: Connection, thread_plan: ThreadPlan | None = None):
         self.engine = engine
@@ -51,6 +60,9 @@ class EngineCore:
         self._report = StepReport()
         self._sizes = (0, 0)
         self._last_stats = getattr(engine, "last_step_stats", None)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)  # a full pipe already wakes the loop
+        self.grammars: GrammarJobs[AddRequest] = GrammarJobs(engine, self._wake)
 
     def run(self) -> int:
         """Serve until stopped (0), the replica is gone (0) or the engine fails (1)."""
@@ -58,10 +70,11 @@ class EngineCore:
         try:
             while True:
                 idle = not self.engine.has_unfinished_requests()
-                stops += self._apply_commands(block=idle and not stops)
+                # Once stopping, wait only for grammars: the stop check below ends an idle loop.
+                stops += self._apply_commands(block=idle and (not stops or len(self.grammars) > 0))
                 if stops >= 2:
                     self._abort_all()
-                if stops and not self.engine.has_unfinished_requests():
+                if stops and not self._busy():
                     self._flush()
                     self._send(Shutdown())
                     return 0
@@ -78,29 +91,67 @@ class EngineCore:
             except ReplicaGone:
                 pass
             return 1
+        finally:
+            self.grammars.shutdown()
+
+    def _busy(self) -> bool:
+        return self.engine.has_unfinished_requests() or len(self.grammars) > 0
 
     # Commands ------------------------------------------------------------------------------------
     def _apply_commands(self, block: bool) -> int:
-        """Apply every queued command (waiting for one when `block`); return the stops among them."""
+        """Apply every queued command and compiled grammar (waiting for one when `block`); return
+        the stops among the commands."""
         stops = 0
-        if not block and not self._poll():
-            return 0
-        while True:
+        if block:
+            self._wait()
+        self._admit_compiled()
+        while self._poll():
             cmd = self._recv()
             if isinstance(cmd, AddRequest):
-                self._add(cmd)
+                if self.grammars.wants(cmd.params):
+                    self.grammars.submit(cmd.request_id, cmd, cmd.params)
+                else:
+                    self._add(cmd)
             elif isinstance(cmd, AbortRequest):
                 if cmd.request_id in self._live:
                     self.engine.abort_request(cmd.request_id)
+                elif self.grammars.cancel(cmd.request_id) is not None:
+                    self._report.refused.append((cmd.request_id, "aborted while its grammar compiled"))
             elif isinstance(cmd, Stop):
                 stops += 1
-            if not self._poll():
-                return stops
+        return stops
 
-    def _add(self, cmd: AddRequest) -> None:
+    def _wait(self) -> None:
+        """Until a command or a compiled grammar arrives; with grammars compiling, a heartbeat
+        report at least every `HEARTBEAT_S`."""
+        while True:
+            compiling = len(self.grammars) > 0
+            try:
+                ready = wait([self.conn, self._wake_r], timeout=HEARTBEAT_S if compiling else None)
+            except OSError as e:
+                raise ReplicaGone from e
+            if self._wake_r in ready:
+                os.read(self._wake_r, 4096)
+            if ready:
+                return
+            self._flush(heartbeat=True)
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wake_w, b".")
+
+    def _admit_compiled(self) -> None:
+        for cmd, grammar, error in self.grammars.take_done():
+            if error is not None:
+                self._report.refused.append((cmd.request_id, str(error)))
+            else:
+                self._add(cmd, grammar)
+
+    def _add(self, cmd: AddRequest, grammar: Any = None) -> None:
+        kwargs = {"grammar": grammar} if grammar is not None else {}
         try:
             rid = self.engine.add_request(
-                cmd.prompt_token_ids, cmd.params, cmd.request_id, on_output=self._collect
+                cmd.prompt_token_ids, cmd.params, cmd.request_id, on_output=self._collect, **kwargs
             )
         except ValueError as e:  # bad input: the caller's 400, not the engine's failure
             self._report.refused.append((cmd.request_id, str(e)))
@@ -114,6 +165,8 @@ class EngineCore:
         self._report.outputs.append(out)
 
     def _abort_all(self) -> None:
+        for cmd in self.grammars.cancel_all():
+            self._report.refused.append((cmd.request_id, SHUTDOWN_REASON))
         for rid in list(self._live):
             self.engine.abort_request(rid)
         for rid in list(self._live):  # an engine that did not report the abort
@@ -130,11 +183,13 @@ class EngineCore:
             self._report.stats = stats
             self._last_stats = stats
 
-    def _flush(self) -> None:
-        """Send what this pass produced, in one message; nothing when nothing changed."""
+    def _flush(self, heartbeat: bool = False) -> None:
+        """Send what this pass produced, in one message; nothing when nothing changed, unless it is
+        a `heartbeat`."""
         r = self._report
         sizes = (self.engine.num_running, self.engine.num_waiting)
-        if not (r.outputs or r.admitted or r.refused or r.stats is not None or sizes != self._sizes):
+        changed = r.outputs or r.admitted or r.refused or r.stats is not None or sizes != self._sizes
+        if not (changed or heartbeat):
             return
         r.num_running, r.num_waiting = sizes
         self._sizes = sizes
@@ -171,7 +226,9 @@ def load_engine(config: Any) -> Any:
     # No more intra-op threads than the CPUs Ray reserved for this replica: more threads than cores
     # make OpenMP workers of co-located replicas spin against each other (~10x slower on 2 cores).
     torch.set_num_threads(config.thread_plan().batch)
-    return engine_from_config(config.engine_config())
+    engine = engine_from_config(config.engine_config())
+    engine.grammars.prepare()  # here, not at the first structured request
+    return engine
 
 
 def _log_start_up() -> None:

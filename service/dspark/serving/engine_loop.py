@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 from dspark.engine.outputs import RequestOutput
 from dspark.engine.sampling_params import SamplingParams
+from dspark.serving.grammar_jobs import GrammarJobs
 from dspark.serving.metrics import ServingMetrics
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,10 @@ class _Stop:
     pass
 
 
+class _GrammarCompiled:
+    """Wakes an idle loop: a structured request's grammar is ready."""
+
+
 class EngineLoop:
     """Runs `engine.step()` on its own thread while any request is unfinished; idles on the queue otherwise."""
 
@@ -97,6 +102,7 @@ class EngineLoop:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dspark-engine-loop", daemon=True)
         self.fatal_error: str | None = None
+        self.grammars: GrammarJobs[_Add] = GrammarJobs(engine, lambda: self._commands.put(_GrammarCompiled()))
 
     # Any thread ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -142,9 +148,10 @@ class EngineLoop:
             while True:
                 busy = self.engine.has_unfinished_requests()
                 stops += self._apply_commands(block=not busy)
+                self._admit_compiled()
                 if stops >= 2:
                     self._abort_all("the server shut down before the request finished")
-                if stops and not self.engine.has_unfinished_requests():
+                if stops and not self.engine.has_unfinished_requests() and not len(self.grammars):
                     break
                 if self.engine.has_unfinished_requests():
                     self._step()
@@ -160,6 +167,7 @@ class EngineLoop:
             self._stopping.set()
             self._stopped.set()
             self._reject_pending()
+            self.grammars.shutdown()
 
     def _apply_commands(self, block: bool) -> int:
         stops = 0
@@ -174,26 +182,40 @@ class EngineLoop:
                 if cmd.request_id in self._live:
                     self.engine.abort_request(cmd.request_id)
                     self._live.pop(cmd.request_id, None)
-            else:
+                elif (add := self.grammars.cancel(cmd.request_id)) is not None:
+                    add.accepted.cancel()
+            elif isinstance(cmd, _Stop):
                 stops += 1
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return stops
 
-    def _apply_add(self, cmd: _Add) -> None:
+    def _apply_add(self, cmd: _Add, grammar: Any = None) -> None:
         if cmd.accepted.cancelled():
             return
+        if grammar is None and self.grammars.wants(cmd.params):
+            self.grammars.submit(cmd.request_id, cmd, cmd.params)  # back in `_admit_compiled`
+            return
         on_output = self._tracking(cmd.request_id, cmd.sink)
+        kwargs = {"grammar": grammar} if grammar is not None else {}
         try:
             rid = self.engine.add_request(
-                cmd.prompt_token_ids, cmd.params, cmd.request_id, on_output=on_output
+                cmd.prompt_token_ids, cmd.params, cmd.request_id, on_output=on_output, **kwargs
             )
         except ValueError as e:
             cmd.accepted.set_exception(e)
             return
         self._live[rid] = cmd.sink
         cmd.accepted.set_result(rid)
+
+    def _admit_compiled(self) -> None:
+        for cmd, grammar, error in self.grammars.take_done():
+            if error is not None:
+                if not cmd.accepted.done():
+                    cmd.accepted.set_exception(error)
+            else:
+                self._apply_add(cmd, grammar)
 
     def _tracking(self, request_id: str, sink: Sink) -> OutputCallback:
         def deliver(out: RequestOutput) -> None:
@@ -218,6 +240,9 @@ class EngineLoop:
             self.metrics.set_queue_sizes(self.engine.num_running, self.engine.num_waiting)
 
     def _abort_all(self, reason: str) -> None:
+        for cmd in self.grammars.cancel_all():
+            if not cmd.accepted.done():
+                cmd.accepted.set_exception(EngineStopped(reason))
         for rid in list(self._live):
             self.engine.abort_request(rid)
         self._fail_all(reason)
@@ -228,6 +253,9 @@ class EngineLoop:
         self._outbox.extend((sink, RequestOutput.failed(rid, reason)) for rid, sink in live.items())
 
     def _reject_pending(self) -> None:
+        for cmd in self.grammars.cancel_all():
+            if not cmd.accepted.done():
+                cmd.accepted.set_exception(EngineStopped(self.fatal_error or "the server is shutting down"))
         while True:
             try:
                 cmd = self._commands.get_nowait()
