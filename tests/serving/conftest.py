@@ -25,7 +25,11 @@ def make_process_replica(**config) -> EngineReplica:
 
 def make_client(replica: EngineReplica, api_key: str | None = None) -> TestClient:
     app = build_openai_app(
-        replica.service, BearerAuth(api_key), ready=replica.ready, metrics=replica.metrics_text
+        replica.service,
+        BearerAuth(api_key),
+        ready=replica.ready,
+        metrics=replica.metrics_text,
+        health=replica.health,
     )
     return TestClient(app, raise_server_exceptions=False)
 

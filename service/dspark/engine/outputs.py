@@ -26,11 +26,13 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     stats: RequestStats | None = None  # on the finishing output: the request's speculation figures
+    retry: bool = False  # with an error: the server failed, not the request; the caller may retry
 
     @classmethod
-    def failed(cls, request_id: str, reason: str) -> RequestOutput:
-        """The last output of a request the server could not finish (engine failure, shutdown)."""
-        return cls(request_id, [], "", finished=True, finish_reason="error", error=reason)
+    def failed(cls, request_id: str, reason: str, retry: bool = False) -> RequestOutput:
+        """The last output of a request the server could not finish; `retry` where the server, not
+        the request, failed (engine failure, shutdown)."""
+        return cls(request_id, [], "", finished=True, finish_reason="error", error=reason, retry=retry)
 
 
 @dataclass

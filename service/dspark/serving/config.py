@@ -98,6 +98,23 @@ class ServeConfig(BaseModel):
     max_prompt_tokens: int | None = Field(None, ge=1, description="Default: the model's context length.")
     max_output_tokens: int = Field(4096, ge=1)
     graceful_shutdown_timeout_s: float = Field(30.0, ge=0)
+    request_timeout_s: float | None = Field(
+        None, gt=0, description="Deadline of a request from its arrival: 504 past it; default none."
+    )
+
+    # Faults.
+    engine_stall_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="An engine that has made no progress for this long with requests open is hung: "
+        "/health answers 503 and the engine is replaced.",
+    )
+    max_engine_restarts: int = Field(
+        3,
+        ge=0,
+        description="Times a replica restarts its dead or hung engine process itself; after that (or "
+        "with the engine on a thread) its health check fails and Ray replaces the whole replica.",
+    )
 
     # Replicas.
     num_replicas: int = Field(1, ge=1)

@@ -44,7 +44,13 @@ class OpenAIServer:
     def __serve_build_asgi_app__(self):
         r = self.replica
         key = r.config.api_key.get_secret_value() if r.config.api_key else None
-        return build_openai_app(r.service, BearerAuth(key), ready=r.ready, metrics=r.metrics_text)
+        return build_openai_app(
+            r.service, BearerAuth(key), ready=r.ready, metrics=r.metrics_text, health=r.health
+        )
+
+    def check_health(self) -> None:
+        # Ray Serve calls this every health_check_period_s; raising has Ray replace the replica.
+        self.replica.check_health()
 
     def __del__(self):
         # Ray Serve calls this after draining (graceful_shutdown_timeout_s); stop the engine.
@@ -72,6 +78,12 @@ class EngineBackend:
 
     async def ready(self) -> bool:
         return await self.replica.ready()
+
+    async def health(self) -> str | None:
+        return await self.replica.health()
+
+    def check_health(self) -> None:
+        self.replica.check_health()
 
     async def metrics_text(self) -> bytes:
         return await self.replica.metrics_text()

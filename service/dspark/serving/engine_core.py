@@ -170,7 +170,7 @@ class EngineCore:
         for rid in list(self._live):
             self.engine.abort_request(rid)
         for rid in list(self._live):  # an engine that did not report the abort
-            self._collect(RequestOutput.failed(rid, SHUTDOWN_REASON))
+            self._collect(RequestOutput.failed(rid, SHUTDOWN_REASON, retry=True))
 
     # Steps and reports ---------------------------------------------------------------------------
     def _step(self) -> None:

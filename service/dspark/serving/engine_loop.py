@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -41,6 +42,10 @@ class EngineBackend(Protocol):
     def alive(self) -> bool: ...
 
     def start(self) -> None: ...
+
+    def stalled_s(self) -> float:
+        """Seconds without progress while requests are open (0 when none are)."""
+        ...
 
     def add(
         self,
@@ -100,6 +105,7 @@ class EngineLoop:
         self._outbox: list[tuple[Sink, RequestOutput]] = []
         self._stopping = threading.Event()
         self._stopped = threading.Event()
+        self._step_started: float | None = None  # while a step runs
         self._thread = threading.Thread(target=self._run, name="dspark-engine-loop", daemon=True)
         self.fatal_error: str | None = None
         self.grammars: GrammarJobs[_Add] = GrammarJobs(engine, lambda: self._commands.put(_GrammarCompiled()))
@@ -111,6 +117,11 @@ class EngineLoop:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping.is_set()
+
+    def stalled_s(self) -> float:
+        """Seconds the current step has run (0 between steps): a step that never returns is a hang."""
+        started = self._step_started
+        return time.monotonic() - started if started is not None else 0.0
 
     def add(
         self,
@@ -226,7 +237,11 @@ class EngineLoop:
         return deliver
 
     def _step(self) -> None:
-        self.engine.step()
+        self._step_started = time.monotonic()
+        try:
+            self.engine.step()
+        finally:
+            self._step_started = None
         stats = getattr(self.engine, "last_step_stats", None)
         if self.metrics is not None and stats is not None:
             self.metrics.observe_step(stats)
@@ -250,7 +265,9 @@ class EngineLoop:
     def _fail_all(self, reason: str) -> None:
         """Queue an error output for every live request, behind the outputs already queued."""
         live, self._live = self._live, {}
-        self._outbox.extend((sink, RequestOutput.failed(rid, reason)) for rid, sink in live.items())
+        self._outbox.extend(
+            (sink, RequestOutput.failed(rid, reason, retry=True)) for rid, sink in live.items()
+        )
 
     def _reject_pending(self) -> None:
         for cmd in self.grammars.cancel_all():

@@ -2,9 +2,14 @@
 
 The replica spawns `dspark.serving.engine_core` with one end of a socket pair, sends it the
 `EngineSpec`, and waits for its `EngineInfo` (tokenizer, config, limits). Requests go down the
-pipe; a reader thread receives one `StepReport` per engine step and hands all its outputs to the
-event loop in one `call_soon_threadsafe`. The engine's Python thus never competes for this
-process's GIL with the event loop, Ray's threads and the HTTP handling.
+pipe through a writer thread (a stopped or stalled engine fills the socket, and a blocking send
+would stop the event loop); a reader thread receives one `StepReport` per engine step and hands
+all its outputs to the event loop in one `call_soon_threadsafe`. The engine's Python thus never
+competes for this process's GIL with the event loop, Ray's threads and the HTTP handling.
+
+Every message from the engine counts as progress (it sends a heartbeat while it waits for
+grammars); `stalled_s` is how long it has been silent with requests open, and `kill` ends a hung
+one, which fails its requests as its death does.
 """
 
 from __future__ import annotations
@@ -14,10 +19,13 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import queue
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -48,15 +56,16 @@ log = logging.getLogger(__name__)
 class EngineProcess:
     """Builds the engine in a child process (blocking until it is ready) and relays its requests.
 
-    `add`, `abort`, `stop`, `alive`, `fatal_error` and `metrics` behave as `EngineLoop`'s; `info`
-    holds what the serving layer reads from an engine.
+    `add`, `abort`, `stop`, `alive`, `stalled_s`, `fatal_error` and `metrics` behave as
+    `EngineLoop`'s; `info` holds what the serving layer reads from an engine.
     """
 
     def __init__(self, factory: EngineFactory, config: Any, metrics: ServingMetrics | None = None):
         self.metrics = metrics
         self.fatal_error: str | None = None
-        self._lock = threading.Lock()  # the two tables below and `_closed`
-        self._send_lock = threading.Lock()  # a Connection is not safe for concurrent senders
+        self._lock = threading.Lock()  # the two tables below, `_closed` and `_heard_at`
+        self._outgoing: queue.SimpleQueue = queue.SimpleQueue()  # for the writer thread; None ends it
+        self._heard_at = time.monotonic()  # the engine's last message, or when work arrived at an idle one
         self._sinks: dict[str, Sink] = {}
         self._pending: dict[str, concurrent.futures.Future] = {}
         self._closed = False
@@ -72,9 +81,11 @@ class EngineProcess:
             self._reap(kill=True)
             raise
         self._reader = threading.Thread(target=self._read, name="dspark-engine-reader", daemon=True)
+        self._writer = threading.Thread(target=self._write, name="dspark-engine-writer", daemon=True)
 
     # Any thread ----------------------------------------------------------------------------------
     def start(self) -> None:
+        self._writer.start()
         self._reader.start()
 
     @property
@@ -84,6 +95,19 @@ class EngineProcess:
     @property
     def pid(self) -> int:
         return self._proc.pid
+
+    def stalled_s(self) -> float:
+        """Seconds the engine has been silent while requests were open (0 when none are)."""
+        with self._lock:
+            if not (self._sinks or self._pending):
+                return 0.0
+            return time.monotonic() - self._heard_at
+
+    def kill(self, reason: str) -> None:
+        """End a hung engine: its open requests fail with `reason` as they would at its death."""
+        self.fatal_error = self.fatal_error or reason
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self._proc.pid, signal.SIGKILL)
 
     def add(
         self,
@@ -103,40 +127,33 @@ class EngineProcess:
             if request_id in self._sinks:
                 fut.set_exception(ValueError(f"request id {request_id!r} is already in use"))
                 return fut
+            if not (self._sinks or self._pending):
+                self._heard_at = time.monotonic()  # an idle engine owed no word until now
             self._sinks[request_id] = (on_output, loop)
             self._pending[request_id] = fut
-        try:
-            self._send(AddRequest(request_id, list(prompt_token_ids), params))
-        except OSError:
-            with self._lock:
-                self._sinks.pop(request_id, None)
-                self._pending.pop(request_id, None)
-            if not fut.done():
-                fut.set_exception(EngineStopped(self.fatal_error or "the server is shutting down"))
+        # A pipe that breaks meanwhile ends the reader, which fails this request with the others.
+        self._send(AddRequest(request_id, list(prompt_token_ids), params))
         return fut
 
     def abort(self, request_id: str) -> None:
         with self._lock:
             if self._closed or request_id not in self._sinks:
                 return  # finished, refused or never sent: nothing holds a KV slot for it
-        with contextlib.suppress(OSError):
-            self._send(AbortRequest(request_id))
+        self._send(AbortRequest(request_id))
 
     def stop(self, drain_timeout_s: float = 30.0) -> None:
         """Refuse new requests, let running ones finish for up to `drain_timeout_s`, then abort the rest."""
         self._stopping.set()
-        with contextlib.suppress(OSError):
-            self._send(Stop())
+        self._send(Stop())
         if self._reader.is_alive() and not self._stopped.wait(drain_timeout_s):
-            with contextlib.suppress(OSError):
-                self._send(Stop())  # second stop: abort what is left
+            self._send(Stop())  # second stop: abort what is left
             self._stopped.wait(10.0)
         self._reap(kill=False)
 
     # Start-up and shut-down ----------------------------------------------------------------------
     def _handshake(self, spec: EngineSpec) -> EngineInfo:
-        self._send(list(sys.path))
-        self._send(spec)
+        self._conn.send(list(sys.path))
+        self._conn.send(spec)
         try:
             msg = self._conn.recv()  # as long as it takes: loading, maybe measuring an SPS profile
         except (EOFError, OSError):
@@ -161,11 +178,23 @@ class EngineProcess:
         reader = getattr(self, "_reader", None)
         if reader is not None and reader.is_alive():
             reader.join(10.0)  # the child's exit closed the pipe: the reader is leaving
+        self._outgoing.put(None)
+        writer = getattr(self, "_writer", None)
+        if writer is not None and writer.is_alive():
+            writer.join(10.0)
         self._conn.close()
 
     def _send(self, msg: Any) -> None:
-        with self._send_lock:
-            self._conn.send(msg)
+        """Queue `msg` for the writer thread: never blocks."""
+        self._outgoing.put(msg)
+
+    # Writer thread -------------------------------------------------------------------------------
+    def _write(self) -> None:
+        while (msg := self._outgoing.get()) is not None:
+            try:
+                self._conn.send(msg)
+            except OSError:  # the engine is gone: the reader sees it too and fails every caller
+                return
 
     # Reader thread -------------------------------------------------------------------------------
     def _read(self) -> None:
@@ -173,6 +202,8 @@ class EngineProcess:
         try:
             while True:
                 msg = self._conn.recv()
+                with self._lock:
+                    self._heard_at = time.monotonic()
                 if isinstance(msg, StepReport):
                     self._on_report(msg)
                 elif isinstance(msg, EngineFailed):
@@ -234,7 +265,7 @@ class EngineProcess:
             sinks.pop(rid, None)
             if not fut.done():
                 fut.set_exception(EngineStopped(self.fatal_error or "the server is shutting down"))
-        hand_over([(sink, RequestOutput.failed(rid, reason)) for rid, sink in sinks.items()])
+        hand_over([(sink, RequestOutput.failed(rid, reason, retry=True)) for rid, sink in sinks.items()])
 
 
 def _spawn(pinned_cpus: list[int] | None) -> tuple[subprocess.Popen, Connection]:

@@ -15,6 +15,7 @@ _ERROR_TYPES = {
     429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
+    504: "TimeoutError",
 }
 
 

@@ -8,6 +8,7 @@ needs vLLM, so the OpenAI routes are ours, mounted where KServe puts its own: `/
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import uuid
 from collections.abc import AsyncIterator
@@ -25,6 +26,7 @@ from dspark.serving.openai_service import Frame, JSONReply
 from dspark.serving.replica import V2_INPUT, V2_OUTPUT
 
 OPENAI_PREFIX = "/openai"
+HEALTH_TIMEOUT_S = 5.0  # a liveness probe waits this long for the engine replica
 
 
 def _import_kserve():
@@ -130,9 +132,15 @@ def _install_front_routes(app: FastAPI, handle: Any, auth: BearerAuth) -> None:
     """/health, /ready, /metrics and the OpenAI routes; the key on every route of the app but the
     allow-list (`auth.OPEN_ROUTES`), KServe's own v1/v2 and model-repository routes included."""
 
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    @app.get("/health", responses={503: {}})
+    async def health() -> JSONResponse:
+        try:
+            problem = await asyncio.wait_for(handle.health.remote(), HEALTH_TIMEOUT_S)
+        except Exception as e:  # no replica answers (being replaced): not healthy either
+            problem = f"the engine replica did not answer: {type(e).__name__}"
+        if problem is None:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
 
     @app.get("/ready")
     async def ready() -> JSONResponse:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import deque
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
@@ -181,10 +182,11 @@ class ServingMetrics:
         self._calib_window = calibration_window
         self._calib_sums = [0, 0, 0.0]
 
-    def watch_engine_process(self, pid: int) -> None:
-        """Export the engine process's figures as `dspark_engine_process_*`: with the engine in a
-        process of its own, the replica's `process_*` hold neither the model nor the KV cache."""
-        ProcessCollector(namespace="dspark_engine", pid=lambda: pid, registry=self.registry)
+    def watch_engine_process(self, pid: Callable[[], int]) -> None:
+        """Export the figures of the engine process `pid()` (the current one, after a restart) as
+        `dspark_engine_process_*`: with the engine in a process of its own, the replica's
+        `process_*` hold neither the model nor the KV cache."""
+        ProcessCollector(namespace="dspark_engine", pid=pid, registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

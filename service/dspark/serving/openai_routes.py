@@ -83,10 +83,12 @@ def build_openai_app(
     *,
     ready: Callable[[], Awaitable[bool]] | None = None,
     metrics: Callable[[], Awaitable[bytes]] | None = None,
+    health: Callable[[], Awaitable[str | None]] | None = None,
     title: str = "DSpark Serve",
 ) -> FastAPI:
     """The OpenAI routes; with `ready`/`metrics`, also /health, /ready and /metrics (open without the key,
-    as every other route is not: `auth.OPEN_ROUTES`)."""
+    as every other route is not: `auth.OPEN_ROUTES`). `health` says why the replica cannot serve (its
+    engine dead or hung), or None."""
     app = FastAPI(title=title, version="1", docs_url=None, redoc_url=None)
     install_error_handlers(app)
     auth.install(app)
@@ -105,9 +107,12 @@ def build_openai_app(
 
     if ready is not None:
 
-        @app.get("/health")
-        async def health() -> dict[str, str]:
-            return {"status": "ok"}
+        @app.get("/health", responses={503: {}})
+        async def is_healthy() -> JSONResponse:
+            problem = await health() if health is not None else None
+            if problem is None:
+                return JSONResponse({"status": "ok"})
+            return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
 
         @app.get("/ready", responses={503: {}})
         async def is_ready() -> JSONResponse:

@@ -53,6 +53,7 @@ class ServiceLimits:
     max_output_tokens: int
     retry_after_s: int = 1
     max_sequences: int | None = None  # KV cache slots: the most samples one request may ask for
+    request_timeout_s: float | None = None  # from arrival to the last token; past it a 504
 
 
 class OpenAIService:
@@ -259,14 +260,20 @@ class OpenAIService:
         numbers them), admitted together or not at all."""
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         children = [(ids, sp) for ids, p in zip(prompts, params, strict=True) for sp in p.for_samples(req.n)]
+        timeout = self.limits.request_timeout_s
+        deadline = arrival + timeout if timeout is not None else None
         async with contextlib.AsyncExitStack() as stack:
             streams = []
             try:
-                for index, (ids, sp) in enumerate(children):
-                    child = rid if len(children) == 1 else f"{rid}-{index}"
-                    streams.append(
-                        await stack.enter_async_context(self.client.open(ids, sp, request_id=child))
-                    )
+                async with asyncio.timeout_at(_loop_time(deadline)):  # admission (grammars) included
+                    for index, (ids, sp) in enumerate(children):
+                        child = rid if len(children) == 1 else f"{rid}-{index}"
+                        streams.append(
+                            await stack.enter_async_context(self.client.open(ids, sp, request_id=child))
+                        )
+            except TimeoutError:
+                yield _timeout_reply(timeout)
+                return
             except QueueFull as e:
                 yield JSONReply(
                     429,
@@ -284,21 +291,61 @@ class OpenAIService:
                 kind, rid, self.model_name, self.tokenizer, req, [len(p) for p in prompts], self.created, echo
             )
             timings = [_Timing(arrival, self.metrics) for _ in children]
+            outputs = _until(deadline, _merged(streams))
             if req.stream:
                 yield StreamStart()
-                async for index, out in _merged(streams):
-                    timings[index].observe(out)
-                    for event in render.chunks(index, out):
-                        yield sse(event)
+                try:
+                    async for index, out in outputs:
+                        timings[index].observe(out)
+                        for event in render.chunks(index, out):
+                            yield sse(event)
+                except TimeoutError:
+                    yield sse(_timeout_reply(timeout).body)
+                    yield sse("[DONE]")
+                    return
                 for event in render.final_chunks():
                     yield sse(event)
                 yield sse("[DONE]")
             else:
                 outs: list[list[RequestOutput]] = [[] for _ in children]
-                async for index, out in _merged(streams):
-                    timings[index].observe(out)
-                    outs[index].append(out)
-                yield render.full(outs)
+                try:
+                    async for index, out in outputs:
+                        timings[index].observe(out)
+                        outs[index].append(out)
+                except TimeoutError:
+                    yield _timeout_reply(timeout)
+                    return
+                reply = render.full(outs)
+                if reply.status == 503:
+                    reply.headers["Retry-After"] = str(self.limits.retry_after_s)
+                yield reply
+
+
+def _loop_time(deadline: float | None) -> float | None:
+    """A `time.monotonic` deadline on the event loop's clock."""
+    if deadline is None:
+        return None
+    return asyncio.get_running_loop().time() + deadline - time.monotonic()
+
+
+async def _until(deadline: float | None, items: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """`items` as they come; TimeoutError once the `time.monotonic` `deadline` has passed (closing
+    `items`, which aborts the requests behind them)."""
+    try:
+        while True:
+            try:
+                async with asyncio.timeout_at(_loop_time(deadline)):
+                    item = await anext(items)
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        await items.aclose()
+
+
+def _timeout_reply(timeout_s: float | None) -> JSONReply:
+    message = f"the request did not finish within the server's request timeout of {timeout_s} s"
+    return JSONReply(504, error_body(504, message, code="request_timeout"))
 
 
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -448,7 +495,7 @@ class _Renderer:
     def full(self, outs: list[list[RequestOutput]]) -> JSONReply:
         for choice_outs in outs:
             if choice_outs[-1].finish_reason == "error":
-                return JSONReply(500, error_body(500, choice_outs[-1].error or "generation failed"))
+                return JSONReply(*_failure(choice_outs[-1]))
         choices = []
         for index, (state, choice_outs) in enumerate(zip(self.choices, outs, strict=True)):
             last = choice_outs[-1]
@@ -489,7 +536,7 @@ class _Renderer:
 
     def chunks(self, index: int, out: RequestOutput) -> list[dict[str, Any]]:
         if out.finish_reason == "error":
-            return [error_body(500, out.error or "generation failed")]
+            return [_failure(out)[1]]
         state = self.choices[index]
         state.num_tokens = out.num_output_tokens or state.num_tokens + len(out.new_token_ids)
         if out.finished:
@@ -535,6 +582,13 @@ class _Renderer:
         if self.req.return_spec_stats:
             chunk["spec_decode_stats"] = self._spec_stats()
         return [chunk]
+
+
+def _failure(out: RequestOutput) -> tuple[int, dict[str, Any]]:
+    """Status and body of a failed request: 503 where the server failed (the engine died or is
+    shutting down) and a retry may succeed, else 500."""
+    status = 503 if out.retry else 500
+    return status, error_body(status, out.error or "generation failed")
 
 
 def _finite(x: float) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -45,23 +46,32 @@ class EngineReplica:
     By default the engine runs in its own process, built there by `factory(config)` (an importable
     callable; default `load_engine`); `self.engine` is then its `EngineInfo`. An `engine` object
     passed in, or `config.engine_in_thread`, runs it on a thread of this process instead.
+
+    A watchdog thread kills an engine process that made no progress with requests open for
+    `engine_stall_timeout_s` (hung, or stopped by a signal), and restarts a dead one, up to
+    `max_engine_restarts` times: faster than Ray's replacement, which waits for several failed
+    health checks and then starts a whole replica (actor, imports, engine). Past that, or with the
+    engine on a thread (which cannot be killed), `check_health` fails and Ray replaces the replica.
     """
 
     def __init__(self, config: ServeConfig, engine: Any | None = None, factory: EngineFactory | None = None):
         self.config = config
         self.loop: EngineBackend
-        engine_pid = None
+        self._factory = factory or load_engine
+        self._closing = threading.Event()
+        self.restarts = 0
+        self._unrecoverable: str | None = None  # why the replica cannot bring its engine back
         if engine is None and not config.engine_in_thread:
-            self.loop = process = EngineProcess(factory or load_engine, config)
-            self.engine, engine_pid = process.info, process.pid
+            self.loop = process = EngineProcess(self._factory, config)
+            self.engine = process.info
         else:
-            self.engine = engine if engine is not None else (factory or load_engine)(config)
+            self.engine = engine if engine is not None else self._factory(config)
             self.loop = EngineLoop(self.engine)
         ecfg = self.engine.config
         self.model_name = config.served_model_name or self.engine.model_name
         self.metrics = ServingMetrics(self.model_name)
-        if engine_pid is not None:
-            self.metrics.watch_engine_process(engine_pid)
+        if isinstance(self.loop, EngineProcess):
+            self.metrics.watch_engine_process(lambda: self.loop.pid)
         self.loop.metrics = self.metrics
         self.client = AsyncEngineClient(self.loop, max_in_flight=ecfg.max_num_seqs + config.max_queue)
         max_len = self.engine.max_model_len
@@ -71,6 +81,7 @@ class EngineReplica:
             max_output_tokens=config.max_output_tokens,
             retry_after_s=config.retry_after_s,
             max_sequences=ecfg.max_num_seqs,
+            request_timeout_s=config.request_timeout_s,
         )
         self.service = OpenAIService(
             self.client,
@@ -81,11 +92,79 @@ class EngineReplica:
             aliases=(self.engine.model_name,),
         )
         self.loop.start()
+        self._watchdog = threading.Thread(target=self._watch, name="dspark-engine-watchdog", daemon=True)
+        self._watchdog.start()
 
     async def ready(self) -> bool:
         # The engine acquired whatever its policy needs (an SPS profile: loaded or measured) before
         # it was built, so a replica is ready while its step loop runs.
-        return self.loop.alive
+        return self.loop.alive and self.problem() is None
+
+    async def health(self) -> str | None:
+        """Why the replica cannot serve now (`/health` answers 503 with it), or None."""
+        return self.problem()
+
+    def problem(self) -> str | None:
+        """Why the engine cannot serve now: dead, hung, or being restarted; None when it can."""
+        if self._unrecoverable is not None:
+            return self._unrecoverable
+        if not self.loop.alive:
+            why = self.loop.fatal_error or "the engine stopped"
+            return f"{why}; restarting the engine" if self._restartable() else why
+        stalled = self.loop.stalled_s()
+        if stalled > self.config.engine_stall_timeout_s:
+            return f"engine hung: no progress for {stalled:.0f} s with requests open"
+        return None
+
+    def check_health(self) -> None:
+        """Ray Serve's health check: raise when the replica needs replacing, that is when its engine
+        is dead or hung and the replica will not restart it itself."""
+        problem = self.problem()
+        if problem is not None and (self._unrecoverable is not None or not self._restartable()):
+            raise RuntimeError(problem)
+
+    def _restartable(self) -> bool:
+        return (
+            isinstance(self.loop, EngineProcess)
+            and self.restarts < self.config.max_engine_restarts
+            and self._unrecoverable is None
+        )
+
+    # Watchdog thread -----------------------------------------------------------------------------
+    def _watch(self, interval_s: float = 0.5) -> None:
+        while not self._closing.wait(interval_s):
+            loop = self.loop
+            if not isinstance(loop, EngineProcess):
+                continue  # an engine thread cannot be killed: check_health fails, Ray replaces us
+            stalled = loop.stalled_s()
+            if loop.alive and stalled > self.config.engine_stall_timeout_s:
+                log.error("engine made no progress for %.0f s with requests open: killing it", stalled)
+                loop.kill(f"engine hung: no progress for {stalled:.0f} s with requests open")
+            if not loop.alive and not self._closing.is_set() and self._restartable():
+                self._restart(loop)
+
+    def _restart(self, dead: EngineProcess) -> None:
+        """Replace a dead engine process by a new one (its callers got their errors already)."""
+        self.restarts += 1
+        log.error(
+            "%s; restarting the engine process (%d of %d)",
+            dead.fatal_error or "the engine process stopped",
+            self.restarts,
+            self.config.max_engine_restarts,
+        )
+        dead.stop(drain_timeout_s=0)  # reaps the child
+        try:
+            fresh = EngineProcess(self._factory, self.config, self.metrics)
+        except Exception as e:
+            log.exception("engine restart failed")
+            self._unrecoverable = f"engine restart failed: {e}"
+            return
+        if self._closing.is_set():  # shut down meanwhile
+            fresh.stop(drain_timeout_s=0)
+            return
+        fresh.start()
+        self.loop = self.client.engine_loop = fresh
+        log.info("engine process restarted")
 
     async def metrics_text(self) -> bytes:
         return self.metrics.render()
@@ -94,6 +173,7 @@ class EngineReplica:
         return self.service.models_body()
 
     def shutdown(self) -> None:
+        self._closing.set()
         self.loop.stop(self.config.graceful_shutdown_timeout_s)
 
     async def openai(
