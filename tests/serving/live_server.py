@@ -62,12 +62,13 @@ def _wait_ready(url: str, timeout_s: float = 300) -> None:
     raise TimeoutError(f"server at {url} did not become ready")
 
 
-def start(mode: str) -> LiveServer:
+def start(mode: str, **overrides) -> LiveServer:
+    """The server in `mode` ("ray" or "kserve"), with `overrides` of `test_config`'s settings."""
     from dspark.serving.runtime import run_openai_server, start_ray
     from ray import serve
 
     port = free_port()
-    config = test_config(port, kserve=(mode == "kserve"))
+    config = test_config(port, kserve=(mode == "kserve")).model_copy(update=overrides)
     start_ray(num_cpus=2)
     base = f"http://127.0.0.1:{port}"
     if mode == "ray":
