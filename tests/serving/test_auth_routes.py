@@ -87,6 +87,7 @@ class FakeHandle:
     """The parts of the engine deployment's handle that the open probes call."""
 
     ready = _Method(True)
+    health = _Method(None)  # no problem
     metrics_text = _Method(b"")
     models = _Method({"object": "list", "data": []})
 

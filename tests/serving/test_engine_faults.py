@@ -181,3 +181,22 @@ def test_the_stall_clock_runs_only_with_requests_open():
         wait_for(lambda: proc.stalled_s() < 0.2, 10)
     finally:
         proc.stop(1)
+
+
+def test_the_kserve_front_ends_health_follows_the_engine_replica(monkeypatch):
+    import kserve.model_server
+    from dspark.serving.kserve_model import build_kserve_server
+    from fastapi import FastAPI
+    from starlette.testclient import TestClient
+
+    from tests.serving.test_auth_routes import FakeHandle, _Method
+
+    class DeadEngineHandle(FakeHandle):
+        health = _Method("engine failure: the engine process exited (killed by signal 9)")
+
+    app = FastAPI()
+    monkeypatch.setattr(kserve.model_server, "app", app)
+    build_kserve_server(ServeConfig(port=8000), DeadEngineHandle(), "m").create_application()
+    with TestClient(app) as client:
+        r = client.get("/health")
+    assert r.status_code == 503 and "killed by signal 9" in r.json()["reason"]
