@@ -134,9 +134,9 @@ def profile_engine(
 
 def decode_seconds_by_threads(
     engine, counts: list[int], context_len: int = 256, repeats: int = 12
-) -> dict[int, float]:
-    """Median seconds of one request's decode forward at each intra-op thread count in `counts`,
-    timed in alternation after two warm-up passes; torch's thread count is restored after."""
+) -> dict[int, list[float]]:
+    """`repeats` timings (seconds) of one request's decode forward at each intra-op thread count in
+    `counts`, taken in alternation after two warm-up passes; torch's thread count is restored after."""
     if engine.has_unfinished_requests():
         raise RuntimeError("time an idle engine: requests are running")
     context_len = max(1, min(context_len, engine.max_model_len - 1))
@@ -153,7 +153,7 @@ def decode_seconds_by_threads(
                     times[n].append(seconds)
     finally:
         torch.set_num_threads(before)
-    return {n: statistics.median(t) for n, t in times.items()}
+    return times
 
 
 def _fill_context(engine, requests: int, context_len: int) -> None:

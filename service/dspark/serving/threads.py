@@ -4,6 +4,7 @@ the setting that pins them to cores."""
 from __future__ import annotations
 
 import logging
+import statistics
 from dataclasses import dataclass, replace
 
 import torch
@@ -14,6 +15,8 @@ GOMP_CPU_AFFINITY = "GOMP_CPU_AFFINITY"
 # Settings by which a user places OpenMP's threads; any of them set, the engine is not pinned.
 # (An empty GOMP_CPU_AFFINITY is not "unset" to libgomp: it ran a 2-core engine 6x slower.)
 OPENMP_PLACEMENT = (GOMP_CPU_AFFINITY, "OMP_PROC_BIND", "OMP_PLACES", "KMP_AFFINITY")
+# How much faster fewer threads must run a lone request's forward at start-up to be chosen.
+CLEAR_MARGIN = 0.10
 
 
 def pinning_env(cpus: list[int] | None, environ: dict[str, str]) -> dict[str, str]:
@@ -49,27 +52,52 @@ class ThreadPlan:
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
 
-    def fastest_single(self, seconds: dict[int, float]) -> ThreadPlan:
-        """This plan with `single` the thread count of the fastest one-request forward."""
-        return replace(self, single=min(seconds, key=seconds.__getitem__), time_single=False)
+    def fastest_single(self, samples: dict[int, list[float]]) -> ThreadPlan:
+        """This plan with `single` set from one-request forward timings at `single` and `batch` threads.
+
+        `single` stays below `batch` only where it is clearly faster: its median beats `batch`'s by
+        `CLEAR_MARGIN` and by more than either count's spread. Otherwise every step takes `batch`
+        threads: on a 2-core AVX2 EPYC five starts timed the two counts 2-6% apart, in either order,
+        and the starts that chose one thread served a lone user 13-56% slower than the one that
+        chose two.
+        """
+        medians = {n: statistics.median(t) for n, t in samples.items()}
+        single, batch = medians.get(self.single), medians.get(self.batch)
+        clearly_faster = (
+            single is not None
+            and batch is not None
+            and single < batch * (1 - CLEAR_MARGIN)
+            and batch - single > max(_spread(samples[self.single]), _spread(samples[self.batch]))
+        )
+        return replace(self, single=self.single if clearly_faster else self.batch, time_single=False)
 
     def timed(self, engine) -> ThreadPlan:
-        """`fastest_single` of a one-request decode forward on `engine` at `single` and `batch`
+        """`fastest_single` of one-request decode forwards on `engine` at `single` and `batch`
         threads. Whether a second thread pays for one row depends on the CPU: on an AMX Xeon two
-        threads ran it 1.5x faster, on an AVX2 EPYC 0.88x."""
+        threads ran it 1.5x faster, on an AVX2 EPYC 0.88-1.02x."""
         if not self.time_single:
             return self
         # Here, not at the top: the profiler imports torch's compiler (about 1.5 s), which the
         # replica and every reader of a ServeConfig would otherwise load for nothing.
         from dspark.profiling.profiler import decode_seconds_by_threads
 
-        seconds = decode_seconds_by_threads(engine, sorted({self.single, self.batch}))
-        plan = self.fastest_single(seconds)
+        samples = decode_seconds_by_threads(engine, sorted({self.single, self.batch}))
+        plan = self.fastest_single(samples)
         log.info(
-            "one request steps on %d intra-op threads (decode forward: %s)",
+            "one request steps on %d intra-op threads (decode forward, median and spread: %s)",
             plan.single,
             ", ".join(
-                f"{n} thread{'s' if n > 1 else ''} {s * 1000:.1f} ms" for n, s in sorted(seconds.items())
+                f"{n} thread{'s' if n > 1 else ''} {statistics.median(t) * 1000:.1f} ms "
+                f"+-{_spread(t) * 1000:.1f}"
+                for n, t in sorted(samples.items())
             ),
         )
         return plan
+
+
+def _spread(seconds: list[float]) -> float:
+    """The interquartile range: how far timings of the same forward differ between runs."""
+    if len(seconds) < 4:
+        return 0.0
+    low, _, high = statistics.quantiles(seconds, n=4)
+    return high - low
