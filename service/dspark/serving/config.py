@@ -174,8 +174,8 @@ class ServeConfig(BaseModel):
         one to the event loop and the HTTP proxy, as vLLM's CPU engine leaves one to its API server:
         an OpenMP team sharing its cores with them waits at every barrier for a preempted member.
         On two CPUs leaving one halves the compute, so batches take both (1.20x served tokens/s at
-        16 users on a 2-core EPYC, docs/serving.md); a lone request takes whichever of one and two
-        threads runs its forward faster, timed at start-up (it depends on the CPU, `ThreadPlan.timed`).
+        16 users on a 2-core EPYC, docs/serving.md); a lone request takes one only where that runs its
+        forward clearly faster, timed at start-up (it depends on the CPU, `ThreadPlan.timed`).
         """
         if self.engine_threads is not None:
             return ThreadPlan(self.engine_threads, self.engine_threads)
