@@ -10,6 +10,7 @@ from dspark.drafters.ngram import NgramDrafter, NoDrafter
 from dspark.engine.sampling_params import SamplingParams
 from dspark.models.config import load_target_config
 from dspark.models.pull import ModelError, _verify_sha256, resolve_target
+from pydantic import ValidationError
 
 from tests.engine.helpers import engine_on
 
@@ -98,6 +99,30 @@ def test_bad_requests_are_refused_and_lose_nothing(tiny_dirs):
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.cache.num_free_slots == engine.config.max_num_seqs
+
+
+@pytest.mark.parametrize(
+    "bad", [{"top_k": 2**31}, {"top_k": 2**63}, {"seed": 2**64}, {"seed": -(2**63) - 1}, {"top_k": -1}]
+)
+def test_sampling_values_no_step_tensor_holds_are_refused(bad):
+    with pytest.raises(ValidationError, match=next(iter(bad))):
+        SamplingParams(**bad)
+
+
+def test_top_k_of_the_vocabulary_is_off_and_logit_bias_outside_it_refused(tiny_dirs):
+    engine = engine_on(tiny_dirs["llama"], NoDrafter(), "none", max_model_len=64)
+    with pytest.raises(ValueError, match="logit_bias"):
+        engine.add_request([5], SamplingParams(max_tokens=8, logit_bias={64: 1.0}))
+    assert not engine.has_unfinished_requests()
+    seeded = dict(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)
+    largest = engine.add_request([5, 6, 7], SamplingParams(top_k=2**31 - 1, **seeded))
+    kept = engine.add_request([5, 6, 7], SamplingParams(top_k=63, **seeded))
+    assert engine.requests[largest].params.top_k == 0 and engine.requests[kept].params.top_k == 63
+    engine.abort_request(largest)
+    engine.abort_request(kept)
+    off = engine.generate([[5, 6, 7]], SamplingParams(**seeded))
+    large = engine.generate([[5, 6, 7]], SamplingParams(top_k=64, **seeded))
+    assert large[0].token_ids == off[0].token_ids
 
 
 def test_kv_cache_larger_than_memory_is_refused():

@@ -140,6 +140,10 @@ class LLMEngine:
                 f"this model's maximum context length is {self.max_model_len} tokens, but the request asks "
                 f"for {len(prompt)} prompt + {params.max_tokens} output tokens"
             )
+        if any(t >= vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must lie in [0, {vocab})")
+        if params.top_k >= vocab:  # keeps every token: off, without a top-k over the whole vocabulary
+            params = params.model_copy(update={"top_k": 0})
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")

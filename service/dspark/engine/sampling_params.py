@@ -6,7 +6,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-MAX_LOGIT_BIAS = 300  # entries per request, as OpenAI allows
+# Bounds that keep every value representable where the step puts it (int64 tensors, a torch
+# generator's seed); how many stop strings or logit_bias entries a request may carry is the
+# server's limit (`dspark.serving.request_limits`).
+MAX_TOP_K = 2**31 - 1
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 
 
 class StructuredOutput(BaseModel):
@@ -31,14 +35,16 @@ class SamplingParams(BaseModel):
     max_tokens: int = Field(256, ge=1, description="Maximum number of generated tokens.")
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="0 disables top-k.")
+    top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="0 disables top-k; the vocabulary or more, too.")
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop tokens below min_p x the top probability.")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="Over prompt and output tokens.")
-    logit_bias: dict[int, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS)
-    seed: int | None = Field(None, description="Per-request seed for reproducible sampling.")
-    stop: list[str] = Field(default_factory=list, max_length=16)
+    logit_bias: dict[int, float] = Field(default_factory=dict)
+    seed: int | None = Field(
+        None, ge=SEED_RANGE[0], le=SEED_RANGE[1], description="Per-request seed for reproducible sampling."
+    )
+    stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=20, description="Return this many top logprobs per token.")

@@ -20,6 +20,7 @@ from pydantic import (
 )
 
 from dspark.engine.config import SELECTION_FIELDS
+from dspark.serving.request_limits import RequestLimits
 from dspark.serving.threads import ThreadPlan
 from dspark.validation import describe
 
@@ -27,6 +28,7 @@ ENV_PREFIX = "DSPARK_"
 CONFIG_FILE_ENV = "DSPARK_CONFIG"
 # Engine settings live in the engine's own EngineConfig; None here means "the engine's default".
 ENGINE_FIELDS = (*SELECTION_FIELDS, "compile", "sps_profile", "strict_profile")
+_EDGE = RequestLimits()  # the defaults of the request size limits
 
 
 class AutoscalingSettings(BaseModel):
@@ -114,6 +116,23 @@ class ServeConfig(BaseModel):
         ge=0,
         description="Times a replica restarts its dead or hung engine process itself; after that (or "
         "with the engine on a thread) its health check fails and Ray replaces the whole replica.",
+    )
+
+    # Request size limits at the edge (a 400 naming the field; the body size a 413).
+    max_body_bytes: int = Field(_EDGE.max_body_bytes, ge=1024, description="Largest request body.")
+    max_messages: int = Field(_EDGE.max_messages, ge=1, description="Most chat messages in one request.")
+    max_stop_strings: int = Field(
+        _EDGE.max_stop_strings, ge=1, description="Most stop strings in one request."
+    )
+    max_stop_chars: int = Field(_EDGE.max_stop_chars, ge=1, description="Longest stop string, in characters.")
+    max_logit_bias: int = Field(
+        _EDGE.max_logit_bias, ge=1, description="Most logit_bias entries in one request."
+    )
+    max_choices: int = Field(
+        _EDGE.max_choices, ge=1, description="Most choices (n x prompts) in one request."
+    )
+    max_v2_inputs: int = Field(
+        _EDGE.max_v2_inputs, ge=1, description="Most strings in one KServe v2 `text_input`."
     )
 
     # Replicas.

@@ -45,7 +45,12 @@ class OpenAIServer:
         r = self.replica
         key = r.config.api_key.get_secret_value() if r.config.api_key else None
         return build_openai_app(
-            r.service, BearerAuth(key), ready=r.ready, metrics=r.metrics_text, health=r.health
+            r.service,
+            BearerAuth(key),
+            ready=r.ready,
+            metrics=r.metrics_text,
+            health=r.health,
+            max_body_bytes=r.config.max_body_bytes,
         )
 
     def check_health(self) -> None:

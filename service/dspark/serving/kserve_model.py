@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from dspark.serving.auth import BearerAuth
+from dspark.serving.body_limit import BodyLimit
 from dspark.serving.config import ServeConfig
 from dspark.serving.openai_routes import build_openai_app
 from dspark.serving.openai_schemas import ChatCompletionRequest, CompletionRequest
@@ -128,7 +129,7 @@ class HandleBackend:
                 gen.cancel()  # the client went away: the replica aborts the request
 
 
-def _install_front_routes(app: FastAPI, handle: Any, auth: BearerAuth) -> None:
+def _install_front_routes(app: FastAPI, handle: Any, auth: BearerAuth, max_body_bytes: int) -> None:
     """/health, /ready, /metrics and the OpenAI routes; the key on every route of the app but the
     allow-list (`auth.OPEN_ROUTES`), KServe's own v1/v2 and model-repository routes included."""
 
@@ -154,14 +155,18 @@ def _install_front_routes(app: FastAPI, handle: Any, auth: BearerAuth) -> None:
             await handle.metrics_text.remote() + generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST
         )
 
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     auth.install(app)
-    app.mount(OPENAI_PREFIX, build_openai_app(HandleBackend(handle), auth, title="DSpark Serve (KServe)"))
+    openai = build_openai_app(
+        HandleBackend(handle), auth, title="DSpark Serve (KServe)", max_body_bytes=max_body_bytes
+    )
+    app.mount(OPENAI_PREFIX, openai)
 
 
 def build_kserve_server(config: ServeConfig, handle: Any, model_name: str) -> RESTServer:
     """KServe's REST server with the engine registered as `model_name`, bound to config.host:port."""
     key = config.api_key.get_secret_value() if config.api_key else None
-    _install_front_routes(kserve.model_server.app, handle, BearerAuth(key))
+    _install_front_routes(kserve.model_server.app, handle, BearerAuth(key), config.max_body_bytes)
     model = DSparkRayModel(model_name, handle)
     model.load()
     server = kserve.ModelServer(

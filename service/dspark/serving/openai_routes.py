@@ -13,9 +13,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dspark.serving.auth import BearerAuth
+from dspark.serving.body_limit import BodyLimit
 from dspark.serving.errors import APIError, error_body, validation_message
 from dspark.serving.openai_schemas import ChatCompletionRequest, CompletionRequest
 from dspark.serving.openai_service import Frame, JSONReply
+from dspark.serving.request_limits import RequestLimits
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +87,15 @@ def build_openai_app(
     metrics: Callable[[], Awaitable[bytes]] | None = None,
     health: Callable[[], Awaitable[str | None]] | None = None,
     title: str = "DSpark Serve",
+    max_body_bytes: int = RequestLimits.max_body_bytes,
 ) -> FastAPI:
     """The OpenAI routes; with `ready`/`metrics`, also /health, /ready and /metrics (open without the key,
     as every other route is not: `auth.OPEN_ROUTES`). `health` says why the replica cannot serve (its
     engine dead or hung), or None."""
     app = FastAPI(title=title, version="1", docs_url=None, redoc_url=None)
     install_error_handlers(app)
-    auth.install(app)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    auth.install(app)  # outside the body limit: a caller without the key learns nothing of it
 
     @app.post("/v1/completions", responses={400: {}, 401: {}, 404: {}, 429: {}})
     async def completions(body: CompletionRequest) -> Response:

@@ -8,14 +8,41 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
-from dspark.engine.sampling_params import StructuredOutput
+from dspark.engine.sampling_params import MAX_TOP_K, StructuredOutput
 
-MAX_STOP = 16
+MAX_STOP = 16  # stop_token_ids (stop strings: the server's limits)
 MAX_LOGPROBS = 20
 MAX_N = 128
 MAX_PROMPTS = 256
-MAX_LOGIT_BIAS = 300
 _TOKEN_ID = Annotated[int, Field(ge=0, lt=2**31)]
+
+
+def _not_unicode(data: Any) -> str | None:
+    """The path of the first string (key or value) in decoded JSON that holds a lone surrogate:
+    JSON may escape one (`"\\ud800"`), but no tokenizer or grammar takes it. Iterative, so that
+    any depth the JSON parser took is walked."""
+    pending: list[tuple[str, Any]] = [("", data)]
+    while pending:
+        where, value = pending.pop()
+        if isinstance(value, str):
+            if not value.isascii() and not _is_utf8(value):
+                return where or "body"
+        elif isinstance(value, dict | list):
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                if isinstance(key, str) and not key.isascii() and not _is_utf8(key):
+                    return f"{where}.{key}" if where else key
+                if isinstance(item, str | dict | list):  # numbers (token ids) need no path
+                    pending.append((f"{where}.{key}" if where else str(key), item))
+    return None
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class _Strict(BaseModel):
@@ -125,7 +152,9 @@ class _SamplingFields(_Strict):
     max_tokens: int | None = Field(None, ge=1, description="Upper bound on generated tokens.")
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, description="vLLM extension; 0 or -1 disables top-k.")
+    top_k: int = Field(
+        0, ge=-1, le=MAX_TOP_K, description="vLLM extension; 0, -1 or the vocabulary size or more: off."
+    )
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[Annotated[str, Field(min_length=1)]] | None = None
     stop_token_ids: list[_TOKEN_ID] | None = Field(None, max_length=MAX_STOP)
@@ -166,17 +195,13 @@ class _SamplingFields(_Strict):
         stops = [v] if isinstance(v, str) else v
         if any(s == "" for s in stops):
             raise ValueError("stop strings must be non-empty")
-        if len(stops) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop strings")
-        return stops
+        return stops  # how many and how long: the server's limits (`request_limits`)
 
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         if not v:
             return v
-        if len(v) > MAX_LOGIT_BIAS:
-            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries")
         for key, bias in v.items():
             if not key.isdigit() or int(key) >= 2**31:
                 raise ValueError(f"logit_bias keys are token ids; {key!r} is not one")
@@ -188,6 +213,9 @@ class _SamplingFields(_Strict):
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
+            if (where := _not_unicode(data)) is not None:
+                where = where.encode("utf-8", "backslashreplace").decode()  # a key may hold it
+                raise ValueError(f"{where}: a lone surrogate (\\ud800-\\udfff) is not Unicode text")
             for name in cls.unsupported_fields():
                 if data.get(name) not in (None, []):
                     raise ValueError(f"{name}: {_UNSUPPORTED[name]}")

@@ -8,13 +8,14 @@ directly and the KServe front end through a deployment handle.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
@@ -24,6 +25,7 @@ from dspark.serving.engine_loop import AsyncEngineClient, EngineStopped, QueueFu
 from dspark.serving.errors import APIError, bad_request, error_body
 from dspark.serving.metrics import ServingMetrics
 from dspark.serving.openai_schemas import ChatCompletionRequest, CompletionRequest
+from dspark.serving.request_limits import RequestLimits
 
 
 @dataclass
@@ -39,6 +41,7 @@ class StreamStart:
 
 
 Frame = JSONReply | StreamStart | str
+T = TypeVar("T")
 
 
 def sse(data: dict[str, Any] | str) -> str:
@@ -54,6 +57,7 @@ class ServiceLimits:
     retry_after_s: int = 1
     max_sequences: int | None = None  # KV cache slots: the most samples one request may ask for
     request_timeout_s: float | None = None  # from arrival to the last token; past it a 504
+    request: RequestLimits = field(default_factory=RequestLimits)
 
 
 class OpenAIService:
@@ -76,6 +80,8 @@ class OpenAIService:
         self._names = {model_name, *aliases}
         self._vocab_size = len(tokenizer)
         self.created = int(time.time())
+        # One thread, as vLLM's: a fast tokenizer is not safe to share between threads that encode.
+        self._tokenizing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dspark-tokenize")
 
     async def models(self) -> dict[str, Any]:
         return self.models_body()
@@ -98,8 +104,8 @@ class OpenAIService:
     async def completion(self, req: CompletionRequest) -> AsyncIterator[Frame]:
         arrival = time.monotonic()
         try:
-            self._check_model(req.model)
-            prompts = [self._completion_prompt(p) for p in req.prompts]
+            self._check_request(req)
+            prompts = await self._off_loop(lambda: [self._completion_prompt(p) for p in req.prompts])
             params = [self._sampling_params(req, len(ids), req.max_tokens, req.logprobs) for ids in prompts]
             self._check_sequences(req.n, prompts, params)
         except APIError as e:
@@ -117,8 +123,8 @@ class OpenAIService:
     async def chat(self, req: ChatCompletionRequest) -> AsyncIterator[Frame]:
         arrival = time.monotonic()
         try:
-            self._check_model(req.model)
-            prompt_ids = self._chat_prompt(req)
+            self._check_request(req)
+            prompt_ids = await self._off_loop(lambda: self._chat_prompt(req))
             top = (req.top_logprobs or 0) if req.logprobs else None
             params = self._sampling_params(req, len(prompt_ids), req.output_limit, top)
             self._check_sequences(req.n, [prompt_ids], [params])
@@ -129,6 +135,15 @@ class OpenAIService:
             yield frame
 
     # Request validation --------------------------------------------------------------------------
+    async def _off_loop(self, work: Callable[[], T]) -> T:
+        """Tokenizing and chat templating, on the tokenizer's thread: a huge prompt then delays
+        other requests' tokenizing, never the event loop (their streams, the probes)."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, work)
+
+    def _check_request(self, req: CompletionRequest | ChatCompletionRequest) -> None:
+        self._check_model(req.model)
+        self.limits.request.check(req)
+
     def _check_model(self, name: str) -> None:
         if name not in self._names:
             raise APIError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator
@@ -19,6 +20,7 @@ from dspark.serving.errors import APIError, validation_message
 from dspark.serving.metrics import ServingMetrics
 from dspark.serving.openai_schemas import ChatCompletionRequest, CompletionRequest
 from dspark.serving.openai_service import Frame, JSONReply, OpenAIService, ServiceLimits
+from dspark.serving.request_limits import RequestLimits
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +84,7 @@ class EngineReplica:
             retry_after_s=config.retry_after_s,
             max_sequences=ecfg.max_num_seqs,
             request_timeout_s=config.request_timeout_s,
+            request=RequestLimits.from_config(config),
         )
         self.service = OpenAIService(
             self.client,
@@ -195,19 +198,30 @@ class EngineReplica:
         if not inputs:
             return _v2_error(400, f"input `{V2_INPUT}` holds no strings")
         try:
+            self.service.limits.request.check_v2_inputs(len(inputs))
+        except APIError as e:
+            return _v2_error(e.status, e.message)
+        try:
             reqs = [CompletionRequest(model=self.model_name, prompt=text, **parameters) for text in inputs]
         except ValidationError as e:
             return _v2_error(400, validation_message(list(e.errors()))[0])
-        replies = await asyncio.gather(*(self._complete(r) for r in reqs))
-        for reply in replies:
-            if reply.status != 200:
-                return reply
-        return [reply.body["choices"][0]["text"] for reply in replies]
+        tasks = [asyncio.create_task(self._complete(r)) for r in reqs]
+        try:
+            for next_done in asyncio.as_completed(tasks):
+                reply = await next_done
+                if reply.status != 200:  # a 429 or 400 for one input answers for all of them
+                    return reply
+        finally:
+            for task in tasks:  # the others' requests are aborted, not left running for nobody
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return [task.result().body["choices"][0]["text"] for task in tasks]
 
     async def _complete(self, req: CompletionRequest) -> JSONReply:
-        async for frame in self.service.completion(req):
-            if isinstance(frame, JSONReply):
-                return frame
+        async with contextlib.aclosing(self.service.completion(req)) as frames:
+            async for frame in frames:
+                if isinstance(frame, JSONReply):
+                    return frame
         raise APIError(500, "no reply")
 
 
