@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
+import torch
 from transformers import AutoTokenizer
 
 from dspark.drafters.checkpoint import SharedWeights
@@ -13,7 +15,7 @@ from dspark.engine.drafter import Drafter
 from dspark.engine.llm_engine import LLMEngine
 from dspark.engine.policy_spec import needs_profile
 from dspark.engine.verify_policy import VerifyPolicy
-from dspark.models.hub import served_name
+from dspark.models.hub import served_name, tokenizer_dir
 from dspark.models.loader import load_target_model
 from dspark.models.pull import resolve_target
 from dspark.policies.factory import build_policy, resolve_policy_spec
@@ -29,7 +31,13 @@ def engine_from_config(config: EngineConfig) -> LLMEngine:
     dtype = resolve_dtype(config.dtype, device)
     model_dir = resolve_target(config.target)
     model = load_target_model(model_dir, dtype, device)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if config.seed is not None:
+        torch.manual_seed(config.seed)
+    tokenizer = AutoTokenizer.from_pretrained(
+        tokenizer_dir(config.tokenizer) if config.tokenizer else model_dir
+    )
+    if config.chat_template is not None:
+        tokenizer.chat_template = read_chat_template(config.chat_template)
     shared = SharedWeights(model.model.embed_tokens.weight, model.lm_head.weight)
     drafter_spec = resolve_drafter_spec(config.drafter, model.config)
     gamma = config.gamma if drafter_spec == "ngram" else None
@@ -54,6 +62,16 @@ def engine_from_config(config: EngineConfig) -> LLMEngine:
         engine.policy.name,
     )
     return engine
+
+
+def read_chat_template(spec: str) -> str:
+    """A chat template given as a file path or as the template itself (as vLLM's --chat-template)."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{" not in spec:
+        raise ValueError(f"chat template {spec!r} is neither a file nor a Jinja template")
+    return spec
 
 
 def sibling_engine(

@@ -121,8 +121,8 @@ def test_parse_hub_id(spec, parsed):
 def test_revision_flag_pins_hub_ids_only():
     assert with_revision("org/name", "abc") == "org/name@abc"
     assert with_revision("org/name@abc", "abc") == "org/name@abc"
-    with pytest.raises(ModelError, match="names revision 'x' but --revision is 'y'"):
+    with pytest.raises(ValueError, match="names revision 'x' but revision is 'y'"):
         with_revision("org/name@x", "y")
-    with pytest.raises(ModelError, match="applies to a hub id"):
+    with pytest.raises(ValueError, match="applies to a hub id"):
         with_revision("smollm2-135m", "y")
     assert served_name("org/name@abc") == "org/name"

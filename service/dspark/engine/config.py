@@ -23,7 +23,18 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    target: str = Field(DEFAULT_MODEL, description="Model name or HF-format directory.")
+    target: str = Field(
+        DEFAULT_MODEL, description="Model name, HF-format directory or hub id org/name[@revision]."
+    )
+    tokenizer: str | None = Field(
+        None, description="Tokenizer directory or hub id, when not the target's own (vLLM's --tokenizer)."
+    )
+    chat_template: str | None = Field(
+        None, description="Chat template replacing the tokenizer's: a file path or the Jinja text itself."
+    )
+    seed: int | None = Field(
+        None, ge=0, lt=2**63, description="Seeds the global RNGs at start-up (requests' own seeds still win)."
+    )
     drafter: str = Field(
         AUTO,
         description="auto (the target's shipped DSpark drafter, else ngram) | none | ngram | dspark | "

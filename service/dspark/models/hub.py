@@ -17,6 +17,7 @@ from dspark.models.errors import ModelError
 # Only what the engine reads: safetensors weights, configs, tokenizer files and chat templates.
 TARGET_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
 DRAFTER_FILES = ["*.json", "*.safetensors", "*.bin"]
+TOKENIZER_FILES = ["*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_](@[\w./-]+)?$")
 _TRUE = {"1", "ON", "YES", "TRUE"}
 
@@ -46,9 +47,9 @@ def with_revision(spec: str, revision: str | None) -> str:
         return spec
     hub = parse_hub_id(spec)
     if hub is None or Path(spec).expanduser().is_dir():
-        raise ModelError(f"--revision {revision!r} applies to a hub id (org/name), not {spec!r}")
+        raise ValueError(f"revision {revision!r} applies to a hub id (org/name), not {spec!r}")
     if hub.revision not in (None, revision):
-        raise ModelError(f"{spec!r} names revision {hub.revision!r} but --revision is {revision!r}")
+        raise ValueError(f"{spec!r} names revision {hub.revision!r} but revision is {revision!r}")
     return str(HubId(hub.repo_id, revision))
 
 
@@ -56,6 +57,16 @@ def served_name(spec: str) -> str:
     """The model id clients see for a target spelling: a hub id without its revision, else as given."""
     hub = parse_hub_id(spec)
     return hub.repo_id if hub is not None and not Path(spec).expanduser().is_dir() else spec
+
+
+def tokenizer_dir(spec: str) -> Path:
+    """A tokenizer given as a directory or a hub id (downloaded without any weights)."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    if (hub := parse_hub_id(spec)) is None:
+        raise ModelError(f"tokenizer {spec!r} is neither a directory nor a hub id (org/name[@revision])")
+    return download(hub, "tokenizer", TOKENIZER_FILES)
 
 
 def hub_cache_dir() -> Path:

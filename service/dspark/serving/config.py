@@ -27,7 +27,16 @@ from dspark.validation import describe
 ENV_PREFIX = "DSPARK_"
 CONFIG_FILE_ENV = "DSPARK_CONFIG"
 # Engine settings live in the engine's own EngineConfig; None here means "the engine's default".
-ENGINE_FIELDS = (*SELECTION_FIELDS, "compile", "sps_profile", "strict_profile")
+ENGINE_FIELDS = (
+    *SELECTION_FIELDS,
+    "compile",
+    "cuda_graphs",
+    "sps_profile",
+    "strict_profile",
+    "tokenizer",
+    "chat_template",
+    "seed",
+)
 _EDGE = RequestLimits()  # the defaults of the request size limits
 
 
@@ -61,6 +70,16 @@ class ServeConfig(BaseModel):
     prefix_caching: bool | None = Field(None, description="Reuse the KV of cached prompt prefixes.")
     strict_profile: bool | None = Field(None, description="Refuse to start without a matching profile.")
     compile: bool | None = Field(None, description="Run the target's forward as inductor graphs (CPU).")
+    cuda_graphs: bool | None = Field(None, description="Replay steps as CUDA graphs (default: on CUDA).")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of the target.")
+    tokenizer: str | None = Field(None, description="Tokenizer directory or hub id; default: the target's.")
+    chat_template: str | None = Field(None, description="Chat template file or Jinja text.")
+    seed: int | None = Field(None, ge=0, lt=2**63, description="Seeds the engine's global RNGs.")
+    generation_config: str = Field(
+        "auto",
+        description="Sampling defaults for fields a request leaves out: `auto` the target's "
+        "generation_config.json, `vllm` none (OpenAI's defaults), or a directory holding one.",
+    )
 
     engine_in_thread: bool = Field(
         False,
@@ -81,8 +100,11 @@ class ServeConfig(BaseModel):
     # HTTP front end.
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
-    served_model_name: str | None = Field(
-        None, description="Model id in the API; default: the target's name."
+    served_model_name: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="Model ids in the API; the first names responses. Default: the target's name (a hub "
+        "id without its revision).",
     )
     api_key: SecretStr | None = Field(None, description="Bearer token required on inference routes.")
     kserve: bool = Field(
@@ -147,6 +169,28 @@ class ServeConfig(BaseModel):
     sps_profile: Path | None = Field(
         None, description="SPS profile file; default: $DSPARK_SPS_PROFILE, else the cache path."
     )
+
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def _names_list(cls, v: Any) -> Any:
+        """One name, or several separated by commas (as `DSPARK_SERVED_MODEL_NAME` gives them)."""
+        if isinstance(v, str):
+            return [name.strip() for name in v.split(",") if name.strip()]
+        return v
+
+    @field_validator("served_model_name")
+    @classmethod
+    def _names_not_blank(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and any(not name.strip() for name in v):
+            raise ValueError("served model names must not be blank")
+        return v
+
+    @field_validator("generation_config")
+    @classmethod
+    def _generation_config(cls, v: str) -> str:
+        if v not in ("auto", "vllm") and not (Path(v).expanduser() / "generation_config.json").is_file():
+            raise ValueError(f"{v!r} is not auto, vllm or a directory holding generation_config.json")
+        return v
 
     @field_validator("host")
     @classmethod
@@ -226,7 +270,13 @@ class ServeConfig(BaseModel):
 
     def engine_overrides(self) -> dict[str, Any]:
         """The engine settings given explicitly (the rest keep EngineConfig's defaults)."""
-        return {name: getattr(self, name) for name in ENGINE_FIELDS if getattr(self, name) is not None}
+        values = {name: getattr(self, name) for name in ENGINE_FIELDS if getattr(self, name) is not None}
+        if self.revision is not None:
+            from dspark.engine.config import EngineConfig
+            from dspark.models.hub import with_revision
+
+            values["target"] = with_revision(values.get("target", EngineConfig().target), self.revision)
+        return values
 
     def engine_config(self):
         """The validated EngineConfig for this server."""
@@ -236,7 +286,7 @@ class ServeConfig(BaseModel):
 
     def effective(self) -> dict[str, Any]:
         """The configuration as the server will use it (engine defaults filled in, secrets masked)."""
-        data = self.model_dump(mode="json", exclude=set(ENGINE_FIELDS))
+        data = self.model_dump(mode="json", exclude={*ENGINE_FIELDS, "revision"})
         data["api_key"] = "***" if self.api_key else None
         return {"engine": self.engine_config().model_dump(mode="json"), "server": data}
 

@@ -25,10 +25,17 @@ def _raise_interrupt(signum, frame) -> None:
 
 
 def prepare_model(config: ServeConfig) -> None:
-    """Pull the target here, with progress and clean errors, before replicas try to load it."""
+    """Fetch the target (and a drafter given by hub id) here, with progress and clean errors, before
+    replicas try to load them."""
+    from dspark.drafters.factory import LOOKUP_FIRST, checkpoint_dir
+    from dspark.models.hub import parse_hub_id
     from dspark.models.pull import resolve_target
 
-    resolve_target(config.engine_config().target)
+    engine = config.engine_config()
+    resolve_target(engine.target)
+    drafter = engine.drafter.removeprefix(LOOKUP_FIRST)
+    if parse_hub_id(drafter) is not None:
+        checkpoint_dir(drafter)
 
 
 def serve_forever(config: ServeConfig, announce=print) -> None:

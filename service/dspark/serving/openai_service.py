@@ -71,13 +71,19 @@ class OpenAIService:
         limits: ServiceLimits,
         metrics: ServingMetrics | None = None,
         aliases: tuple[str, ...] = (),
+        listed: tuple[str, ...] = (),
+        defaults: dict[str, Any] | None = None,
     ):
+        """`aliases` are accepted as the model too; `listed` are the ids /v1/models lists (default:
+        `model_name`); `defaults` fill the sampling fields a request leaves out (generation_config)."""
         self.client = client
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.limits = limits
         self.metrics = metrics
-        self._names = {model_name, *aliases}
+        self._names = {model_name, *aliases, *listed}
+        self._listed = listed or (model_name,)
+        self.defaults = defaults or {}
         self._vocab_size = len(tokenizer)
         self.created = int(time.time())
         # One thread, as vLLM's: a fast tokenizer is not safe to share between threads that encode.
@@ -91,12 +97,13 @@ class OpenAIService:
             "object": "list",
             "data": [
                 {
-                    "id": self.model_name,
+                    "id": name,
                     "object": "model",
                     "created": self.created,
                     "owned_by": "dspark",
                     "max_model_len": self.limits.max_model_len,
                 }
+                for name in self._listed
             ],
         }
 
@@ -219,7 +226,12 @@ class OpenAIService:
                 f"{prompt_len} tokens, which leaves no room for output.",
                 "prompt",
             )
-        if max_tokens is None:
+        if (
+            "max_tokens" in self.defaults
+            and not {"max_tokens", "max_completion_tokens"} & req.model_fields_set
+        ):
+            max_tokens = min(room, lim.max_output_tokens, self.defaults["max_tokens"])
+        elif max_tokens is None:
             max_tokens = min(room, lim.max_output_tokens)
         if max_tokens > lim.max_output_tokens:
             raise bad_request(
@@ -242,13 +254,13 @@ class OpenAIService:
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
-                temperature=req.temperature,
-                top_p=req.top_p,
-                top_k=max(req.top_k, 0),
-                min_p=req.min_p,
+                temperature=self._field(req, "temperature"),
+                top_p=self._field(req, "top_p"),
+                top_k=max(self._field(req, "top_k"), 0),
+                min_p=self._field(req, "min_p"),
                 presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty,
-                repetition_penalty=req.repetition_penalty,
+                repetition_penalty=self._field(req, "repetition_penalty"),
                 logit_bias=bias,
                 seed=req.seed,
                 stop=req.stop or [],
@@ -260,6 +272,12 @@ class OpenAIService:
             )
         except ValidationError as e:
             raise bad_request(f"invalid sampling parameters: {e.errors()[0]['msg']}") from None
+
+    def _field(self, req: CompletionRequest | ChatCompletionRequest, name: str) -> Any:
+        """The request's value, or the model's default where the request leaves the field out."""
+        if name in req.model_fields_set or name not in self.defaults:
+            return getattr(req, name)
+        return self.defaults[name]
 
     # Generation ----------------------------------------------------------------------------------
     async def _generate(

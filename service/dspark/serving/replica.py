@@ -17,6 +17,7 @@ from dspark.serving.engine_loop import AsyncEngineClient, EngineBackend, EngineL
 from dspark.serving.engine_messages import EngineFactory
 from dspark.serving.engine_process import EngineProcess
 from dspark.serving.errors import APIError, validation_message
+from dspark.serving.generation_defaults import generation_defaults
 from dspark.serving.metrics import ServingMetrics
 from dspark.serving.openai_schemas import ChatCompletionRequest, CompletionRequest
 from dspark.serving.openai_service import Frame, JSONReply, OpenAIService, ServiceLimits
@@ -70,7 +71,8 @@ class EngineReplica:
             self.engine = engine if engine is not None else self._factory(config)
             self.loop = EngineLoop(self.engine)
         ecfg = self.engine.config
-        self.model_name = config.served_model_name or self.engine.model_name
+        names = config.served_model_name or [self.engine.model_name]
+        self.model_name = names[0]
         self.metrics = ServingMetrics(self.model_name)
         if isinstance(self.loop, EngineProcess):
             self.metrics.watch_engine_process(lambda: self.loop.pid)
@@ -92,7 +94,9 @@ class EngineReplica:
             self.model_name,
             limits,
             self.metrics,
-            aliases=(self.engine.model_name,),
+            aliases=(*names[1:], self.engine.model_name),
+            listed=tuple(names),
+            defaults=generation_defaults(config.generation_config, getattr(ecfg, "target", None)),
         )
         self.loop.start()
         self._watchdog = threading.Thread(target=self._watch, name="dspark-engine-watchdog", daemon=True)
