@@ -6,6 +6,8 @@ FROM python:3.11-slim
 
 # Every cache under /var/cache/dspark, so the image runs on a read-only root filesystem with
 # /var/cache/dspark and /tmp writable (the operator's pods mount emptyDirs there and set the same).
+# DSPARK_HOST: the server must be reachable through a published port (docker run -p), not only on
+# the container's own loopback (the default outside containers).
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -15,7 +17,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     TORCHINDUCTOR_CACHE_DIR=/var/cache/dspark/torchinductor \
     TORCH_EXTENSIONS_DIR=/var/cache/dspark/torch_extensions \
     TRITON_CACHE_DIR=/var/cache/dspark/triton \
-    CUDA_CACHE_PATH=/var/cache/dspark/nv
+    CUDA_CACHE_PATH=/var/cache/dspark/nv \
+    DSPARK_HOST=0.0.0.0
 
 WORKDIR /app
 COPY pyproject.toml README.md ./

@@ -183,10 +183,26 @@ def build_profile_configmap(
     }
 
 
+def served_model_names(spec: ServiceSpec, service: str) -> list[str]:
+    """The model ids a tier's server answers to: `model.servedModelNames`, else the service's name
+    (what clients of every tier send) and the target as the server would name it itself."""
+    if spec.model.served_model_names:
+        return list(spec.model.served_model_names)
+    target = spec.model.target.split("@", 1)[0]
+    return [service] if target.startswith("/") or target == service else [service, target]
+
+
 def _serving_pod_spec(
-    spec: ServiceSpec, tier: TierSpec, node_label: str, node_type: str, profile_configmap: str
+    spec: ServiceSpec,
+    service: str,
+    tier: TierSpec,
+    node_label: str,
+    node_type: str,
+    profile_configmap: str,
+    kserve: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(container, pod spec) of a serving replica of one tier on one node type."""
+    """(container, pod spec) of a serving replica of one tier on one node type; `kserve` serves
+    KServe's protocols (v2 and /openai) for an InferenceService."""
     volumes, mounts = _model_volumes(spec)
     port = spec.serving.port
     command = ["dspark", "serve", "--target", spec.model.target]
@@ -195,6 +211,9 @@ def _serving_pod_spec(
     command += ["--policy", spec.policy, "--dtype", spec.dtype, "--device", "cuda"]
     # Probes and the Service reach the pod's IP; the server's default host is loopback only.
     command += ["--host", "0.0.0.0", "--port", str(port)]
+    command += ["--served-model-name", *served_model_names(spec, service)]
+    if kserve:
+        command.append("--kserve")
     command += list(spec.extra_args)
     env = [
         {"name": "DSPARK_SPS_PROFILE", "value": f"{PROFILE_MOUNT}/{PROFILE_KEY}"},
@@ -304,8 +323,9 @@ def build_serving_deployment(
     The profile fingerprint sits in the pod template, so a new profile rolls the replicas.
     """
     selector, labels, annotations = _serving_meta(body, tier, node_type, fingerprint)
+    name = body["metadata"]["name"]
     container, pod_spec = _serving_pod_spec(
-        spec, tier, node_label, node_type, profile_configmap_name(body["metadata"]["name"], node_type)
+        spec, name, tier, node_label, node_type, profile_configmap_name(name, node_type)
     )
     return {
         "apiVersion": "apps/v1",
@@ -363,8 +383,9 @@ def build_inference_service(
     so the only writer of the replica count is this operator.
     """
     _, labels, annotations = _serving_meta(body, tier, node_type, fingerprint)
+    name = body["metadata"]["name"]
     container, pod_spec = _serving_pod_spec(
-        spec, tier, node_label, node_type, profile_configmap_name(body["metadata"]["name"], node_type)
+        spec, name, tier, node_label, node_type, profile_configmap_name(name, node_type), kserve=True
     )
     container = {**container, "name": "kserve-container"}
     return {

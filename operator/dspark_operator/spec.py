@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -27,6 +27,7 @@ class ModelSource(_Spec):
     drafter: str | None = None
     calibration: str | None = None
     pvc: PvcSource | None = None
+    served_model_names: tuple[Annotated[str, Field(min_length=1)], ...] = Field((), alias="servedModelNames")
 
 
 class SecretKeyRef(_Spec):
@@ -65,7 +66,9 @@ class TierSpec(_Spec):
     name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]{0,18}[a-z0-9])?$")
     tokens_per_second_per_user: float = Field(alias="tokensPerSecondPerUser", gt=0)
     ttft_p95_seconds: float = Field(alias="ttftP95Seconds", gt=0)
-    min_replicas: int = Field(1, alias="minReplicas", ge=0)
+    # At least 1: a tier without replicas has no server to accept a request or report demand, and
+    # nothing in front of it (no activator) could ask the operator to scale it back up.
+    min_replicas: int = Field(1, alias="minReplicas", ge=1)
     max_replicas: int = Field(4, alias="maxReplicas", ge=1)
     priority: int = 0
     node_types: tuple[str, ...] = Field((), alias="nodeTypes")
