@@ -212,3 +212,14 @@ def test_engine_takes_tokenizer_chat_template_and_seed(smollm_dir, tiny_dirs, tm
     assert torch.initial_seed() == 5
     text = engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
     assert text == "<<hi>>"
+
+
+def test_served_model_names_from_the_environment():
+    from dspark.serving.config import load_config
+
+    assert load_config(environ={"DSPARK_SERVED_MODEL_NAME": "chat, qwen"}).served_model_name == [
+        "chat",
+        "qwen",
+    ]
+    with pytest.raises(ValueError, match="served_model_name"):
+        load_config(overrides={"served_model_name": ["chat", " "]}, environ={})
