@@ -21,8 +21,10 @@ import logging
 import random
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 from dspark.training.prompt_order import PromptOrder, cached_prompt_order
@@ -44,6 +46,10 @@ from dspark.training.shards import (
 )
 from pydantic import BaseModel, ConfigDict, Field
 from tqdm import tqdm
+
+if TYPE_CHECKING:
+    from dspark.engine.llm_engine import LLMEngine
+    from dspark.engine.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -182,32 +188,34 @@ class GenerationReport:
         return self.new_tokens / max(self.seconds, 1e-9)
 
 
-def add_shards(
-    corpus_dir: Path,
-    count: int,
-    *,
-    device: str = "auto",
-    dtype: str = "auto",
-    batch: int = 256,
-    max_batch_tokens: int | None = None,
-    work_dir: Path = DEFAULT_WORK_DIR,
-    threads: int | None = None,
-    progress: bool = True,
-    stop_after_responses: int | None = None,
-) -> GenerationReport:
-    """Generate the next `count` shards of a corpus. `stop_after_responses` interrupts the run
-    after that many finished responses (tests of resuming). `threads` sets torch's CPU threads."""
-    import torch
-    from dspark.builder import engine_from_config
-    from dspark.engine.config import EngineConfig
+@dataclass
+class ShardPlan:
+    """The shards a run writes and the prompts they answer; built before any engine exists."""
+
+    corpus_dir: Path
+    spec: CorpusSpec
+    model_dir: Path
+    identity: TargetIdentity
+    order: PromptOrder
+    todo: list[int]
+    work: Path
+
+    def indices(self, n: int) -> range:
+        """The prompt-order indices of shard `n`."""
+        size = self.spec.shard_size
+        return range(n * size, min((n + 1) * size, len(self.order.prompts)))
+
+    def total_new_tokens(self) -> int:
+        """The most response tokens the planned shards can hold (the progress bar's total)."""
+        return sum(len(self.indices(n)) for n in self.todo) * self.spec.max_new_tokens
+
+
+def plan_shards(corpus_dir: Path, count: int, work_dir: Path = DEFAULT_WORK_DIR) -> ShardPlan:
+    """Check the corpus against its target and prompt order, and pick the next `count` shards."""
     from dspark.engine.prompt import encode_prompt
-    from dspark.engine.sampling_params import SamplingParams
     from dspark.models.pull import resolve_target
     from transformers import AutoTokenizer
 
-    if threads is not None:
-        torch.set_num_threads(threads)
-    _fixed_mmap_threshold()
     spec = CorpusSpec.load(corpus_dir)
     model_dir = resolve_target(spec.target)
     identity = target_identity(target_name(spec.target), model_dir)
@@ -230,10 +238,20 @@ def add_shards(
             f"the prompt order has {len(order.prompts)} prompts ({available} shards of {spec.shard_size}); "
             f"shard {todo[-1]} is past its end: add sources to a new corpus"
         )
+    return ShardPlan(corpus_dir, spec, model_dir, identity, order, todo, work)
 
+
+def generation_engine(
+    plan: ShardPlan, *, device: str, dtype: str, batch: int, max_batch_tokens: int | None
+) -> tuple[LLMEngine, Generation]:
+    """A plain-decoding engine sized for the plan's prompts, and the generation settings it implies."""
+    from dspark.builder import engine_from_config
+    from dspark.engine.config import EngineConfig
+
+    spec = plan.spec
     engine = engine_from_config(
         EngineConfig(
-            target=str(model_dir),
+            target=str(plan.model_dir),
             drafter="none",
             policy="none",
             dtype=dtype,
@@ -252,112 +270,196 @@ def add_shards(
         dtype=str(engine.dtype).removeprefix("torch."),
         device=engine.device.type,
     )
-    prompt_set = PromptSet(name=spec.prompt_set_name, order_sha256=order.sha256, size=len(order.prompts))
-    key = {
-        "identity": identity.model_dump(),
-        "prompt_set": prompt_set.model_dump(),
-        "generation": generation.model_dump(),
-    }
-    logs = {n: PartialLog(work / f"shard-{n:05d}.partial.jsonl", key) for n in todo}
+    return engine, generation
 
-    def indices(n: int) -> range:
-        return range(n * spec.shard_size, min((n + 1) * spec.shard_size, len(order.prompts)))
 
-    queue = deque((n, i) for n in todo for i in indices(n) if i not in logs[n].done)
-    remaining = {n: len(indices(n)) - len(logs[n].done) for n in todo}
-    total_new = sum(len(indices(n)) for n in todo) * spec.max_new_tokens
-    bar = tqdm(total=total_new, desc="self-distill", unit="tok", unit_scale=True, disable=not progress)
-    bar.update(sum(len(r["response_ids"]) for log_ in logs.values() for r in log_.done.values()))
-    written: list[int] = []
-    new_tokens, finished_now = 0, 0
-    gen_start = time.perf_counter()
+class ShardWriter:
+    """Keeps each planned shard's finished responses in its partial log (so an interrupted run
+    resumes) and writes the shard once every response of it is in."""
 
-    def finish_shard(n: int) -> None:
-        rows = [logs[n].done[i] for i in indices(n)]
-        samples, records, offset = [], [], 0
-        for row in rows:
-            prompt = order.prompts[row["index"]]
-            temperature, seed = sampling_for(row["index"], spec)
-            samples.append(
-                Sample(
-                    prompt["prompt_ids"],
-                    row["response_ids"],
-                    prompt["domain"],
-                    prompt["source"],
-                    temperature,
-                    row["finish_reason"],
-                    row["index"],
-                )
-            )
-            records.append(
-                ResponseRecord(
-                    index=row["index"],
-                    domain=prompt["domain"],
-                    source=prompt["source"],
-                    temperature=temperature,
-                    seed=seed,
-                    finish_reason=row["finish_reason"],
-                    offset=offset,
-                    prompt_len=len(prompt["prompt_ids"]),
-                    response_len=len(row["response_ids"]),
-                )
-            )
-            offset += len(prompt["prompt_ids"]) + len(row["response_ids"])
+    def __init__(self, plan: ShardPlan, generation: Generation, bar: tqdm) -> None:
+        self.plan, self.generation, self.bar = plan, generation, bar
+        self.prompt_set = PromptSet(
+            name=plan.spec.prompt_set_name, order_sha256=plan.order.sha256, size=len(plan.order.prompts)
+        )
+        key = {
+            "identity": plan.identity.model_dump(),
+            "prompt_set": self.prompt_set.model_dump(),
+            "generation": generation.model_dump(),
+        }
+        self.logs = {n: PartialLog(plan.work / f"shard-{n:05d}.partial.jsonl", key) for n in plan.todo}
+        self.remaining = {n: len(plan.indices(n)) - len(self.logs[n].done) for n in plan.todo}
+        self.written: list[int] = []
+
+    def pending(self) -> deque[tuple[int, int]]:
+        """(shard, prompt index) of every response still to generate, in order."""
+        plan = self.plan
+        return deque((n, i) for n in plan.todo for i in plan.indices(n) if i not in self.logs[n].done)
+
+    def logged_tokens(self) -> int:
+        """Response tokens an earlier run already logged."""
+        return sum(len(r["response_ids"]) for log_ in self.logs.values() for r in log_.done.values())
+
+    def write_complete(self) -> None:
+        """Write the shards whose responses were all logged by an earlier run."""
+        for n in self.plan.todo:
+            if self.remaining[n] == 0:
+                self.write(n)
+
+    def add(self, n: int, index: int, finish_reason: str, response_ids: list[int]) -> None:
+        self.logs[n].add({"index": index, "finish_reason": finish_reason, "response_ids": response_ids})
+        self.remaining[n] -= 1
+        if self.remaining[n] == 0:
+            self.write(n)
+
+    def write(self, n: int) -> None:
+        plan = self.plan
+        samples, records, num_tokens = shard_rows(plan, [self.logs[n].done[i] for i in plan.indices(n)])
         manifest = ShardManifest(
             shard=n,
-            identity=identity,
-            prompt_set=prompt_set,
-            prompt_range=(indices(n).start, indices(n).stop),
-            generation=generation,
+            identity=plan.identity,
+            prompt_set=self.prompt_set,
+            prompt_range=(plan.indices(n).start, plan.indices(n).stop),
+            generation=self.generation,
             dtype="",
             num_tokens=0,
             bin_sha256="",
             responses=records,
         )
-        write_shard(corpus_dir, manifest, samples)
-        logs[n].remove()
-        written.append(n)
-        bar.write(f"wrote {corpus_dir / f'shard-{n:05d}'}.bin/.json ({offset} tokens)")
+        write_shard(plan.corpus_dir, manifest, samples)
+        self.logs[n].remove()
+        self.written.append(n)
+        self.bar.write(f"wrote {plan.corpus_dir / f'shard-{n:05d}'}.bin/.json ({num_tokens} tokens)")
 
-    for n in todo:
-        if remaining[n] == 0:
-            finish_shard(n)
 
-    def on_output(n: int, index: int, tokens: list[int]):
-        def callback(output) -> None:
-            nonlocal new_tokens, finished_now
-            tokens.extend(output.new_token_ids)
-            new_tokens += len(output.new_token_ids)
-            bar.update(len(output.new_token_ids))
-            if output.finished:
-                if output.finish_reason not in ("stop", "length"):
-                    raise RuntimeError(
-                        f"prompt {index}: generation ended with {output.finish_reason}: {output.error}"
-                    )
-                finished_now += 1
-                logs[n].add({"index": index, "finish_reason": output.finish_reason, "response_ids": tokens})
-                remaining[n] -= 1
-                if remaining[n] == 0:
-                    finish_shard(n)
+def shard_rows(plan: ShardPlan, rows: list[dict]) -> tuple[list[Sample], list[ResponseRecord], int]:
+    """A shard's samples and manifest records from its logged responses, and its token count."""
+    samples, records, offset = [], [], 0
+    for row in rows:
+        prompt = plan.order.prompts[row["index"]]
+        temperature, seed = sampling_for(row["index"], plan.spec)
+        samples.append(
+            Sample(
+                prompt["prompt_ids"],
+                row["response_ids"],
+                prompt["domain"],
+                prompt["source"],
+                temperature,
+                row["finish_reason"],
+                row["index"],
+            )
+        )
+        records.append(
+            ResponseRecord(
+                index=row["index"],
+                domain=prompt["domain"],
+                source=prompt["source"],
+                temperature=temperature,
+                seed=seed,
+                finish_reason=row["finish_reason"],
+                offset=offset,
+                prompt_len=len(prompt["prompt_ids"]),
+                response_len=len(row["response_ids"]),
+            )
+        )
+        offset += len(prompt["prompt_ids"]) + len(row["response_ids"])
+    return samples, records, offset
 
-        return callback
 
-    try:
-        while queue or engine.has_unfinished_requests():
-            # Keep the batch full, and a few requests waiting so a freed slot is refilled at once.
-            while queue and engine.num_running + engine.num_waiting < batch + batch // 4:
-                n, index = queue.popleft()
-                temperature, seed = sampling_for(index, spec)
-                engine.add_request(
-                    order.prompts[index]["prompt_ids"],
-                    SamplingParams(temperature=temperature, seed=seed, max_tokens=spec.max_new_tokens),
-                    on_output=on_output(n, index, []),
+@dataclass
+class GenerationProgress:
+    """What the running generation has produced so far."""
+
+    new_tokens: int = 0
+    finished: int = 0
+
+
+def response_collector(
+    n: int, index: int, writer: ShardWriter, progress: GenerationProgress
+) -> Callable[[RequestOutput], None]:
+    """The engine's output callback for one prompt: gathers its tokens and hands the finished
+    response to the writer."""
+    tokens: list[int] = []
+
+    def on_output(output: RequestOutput) -> None:
+        tokens.extend(output.new_token_ids)
+        progress.new_tokens += len(output.new_token_ids)
+        writer.bar.update(len(output.new_token_ids))
+        if output.finished:
+            if output.finish_reason not in ("stop", "length"):
+                raise RuntimeError(
+                    f"prompt {index}: generation ended with {output.finish_reason}: {output.error}"
                 )
-            engine.step()
-            elapsed = time.perf_counter() - gen_start
-            bar.set_postfix(tok_s=f"{new_tokens / max(elapsed, 1e-9):.0f}", shards=len(written))
-            if stop_after_responses is not None and finished_now >= stop_after_responses:
-                break
+            progress.finished += 1
+            writer.add(n, index, output.finish_reason, tokens)
+
+    return on_output
+
+
+def generate(
+    engine: LLMEngine, writer: ShardWriter, *, batch: int, stop_after_responses: int | None = None
+) -> GenerationProgress:
+    """Answer every pending prompt of the plan, keeping the engine's batch full."""
+    from dspark.engine.sampling_params import SamplingParams
+
+    spec, prompts = writer.plan.spec, writer.plan.order.prompts
+    queue = writer.pending()
+    progress = GenerationProgress()
+    started = time.perf_counter()
+    while queue or engine.has_unfinished_requests():
+        # Keep the batch full, and a few requests waiting so a freed slot is refilled at once.
+        while queue and engine.num_running + engine.num_waiting < batch + batch // 4:
+            n, index = queue.popleft()
+            temperature, seed = sampling_for(index, spec)
+            engine.add_request(
+                prompts[index]["prompt_ids"],
+                SamplingParams(temperature=temperature, seed=seed, max_tokens=spec.max_new_tokens),
+                on_output=response_collector(n, index, writer, progress),
+            )
+        engine.step()
+        elapsed = time.perf_counter() - started
+        writer.bar.set_postfix(
+            tok_s=f"{progress.new_tokens / max(elapsed, 1e-9):.0f}", shards=len(writer.written)
+        )
+        if stop_after_responses is not None and progress.finished >= stop_after_responses:
+            break
+    return progress
+
+
+def add_shards(
+    corpus_dir: Path,
+    count: int,
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    batch: int = 256,
+    max_batch_tokens: int | None = None,
+    work_dir: Path = DEFAULT_WORK_DIR,
+    threads: int | None = None,
+    progress: bool = True,
+    stop_after_responses: int | None = None,
+) -> GenerationReport:
+    """Generate the next `count` shards of a corpus: plan, generate, write. `stop_after_responses`
+    interrupts the run after that many finished responses (tests of resuming). `threads` sets
+    torch's CPU threads."""
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    _fixed_mmap_threshold()
+    plan = plan_shards(corpus_dir, count, work_dir)
+    engine, generation = generation_engine(
+        plan, device=device, dtype=dtype, batch=batch, max_batch_tokens=max_batch_tokens
+    )
+    bar = tqdm(
+        total=plan.total_new_tokens(), desc="self-distill", unit="tok", unit_scale=True, disable=not progress
+    )
+    started = time.perf_counter()
+    try:
+        writer = ShardWriter(plan, generation, bar)
+        bar.update(writer.logged_tokens())
+        writer.write_complete()
+        done = generate(engine, writer, batch=batch, stop_after_responses=stop_after_responses)
     finally:
         bar.close()
-    return GenerationReport(written, new_tokens, time.perf_counter() - gen_start)
+    return GenerationReport(writer.written, done.new_tokens, time.perf_counter() - started)
