@@ -8,6 +8,7 @@ everything at the end.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -291,3 +292,64 @@ def test_kserve_v2_round_trip(server):
     bad = {**req, "parameters": {"max_tokens": -4}}
     r = httpx.post(f"{server.base}/v2/models/{server.model}/infer", json=bad, headers=AUTH, timeout=30)
     assert r.status_code == 400
+
+
+def _nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+# The hostile requests of the input-robustness table, each otherwise a valid chat request:
+# (what it changes, the answers it may get).
+HOSTILE = [
+    ({"top_k": 1e20}, {400}),
+    ({"top_k": 2**63}, {400}),
+    ({"top_k": 10**6}, {200}),  # legal: the vocabulary size or more is off
+    ({"messages": [{"role": "user", "content": "a \ud800 b"}]}, {400}),
+    ({"stop": ["x" * 5_000_000]}, {413}),
+    ({"stop": ["x" * 5_000]}, {400}),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, {400}),
+    ({"messages": [{"role": "user", "content": "hi"}] * 2049}, {400}),
+    ({"seed": 2**64}, {400}),
+    ({"logit_bias": {"49152": 5}}, {400}),  # one past SmolLM2's vocabulary
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "d", "schema": _nested_schema(400)},
+            }
+        },
+        {400},
+    ),
+]
+
+
+def test_hostile_requests_are_4xx_and_the_server_keeps_serving(server):
+    """One server, every hostile request in turn, each followed by a normal request that gets 200."""
+    normal = {"model": server.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    url = server.openai_base + "/chat/completions"
+    with httpx.Client(timeout=120, headers=AUTH) as c:
+        for change, answers in HOSTILE:
+            # json.dumps escapes a lone surrogate as `\ud800`, which is what a hostile client sends.
+            body = json.dumps({**normal, "temperature": 0.5, **change})
+            r = c.post(url, content=body, headers={"content-type": "application/json"})
+            assert r.status_code in answers, (list(change), r.status_code, r.text[:300])
+            if r.status_code != 200:
+                assert "error" in r.json() or "detail" in r.json()
+            after = c.post(url, json=normal)
+            assert after.status_code == 200, (list(change), after.text[:300])
+        assert httpx.get(server.base + "/health", timeout=10).status_code == 200
+        if server.mode == "kserve":
+            infer = f"{server.base}/v2/models/{server.model}/infer"
+
+            def v2(texts, **params):
+                inputs = [{"name": "text_input", "shape": [len(texts)], "datatype": "BYTES", "data": texts}]
+                body = json.dumps({"inputs": inputs, "parameters": {"max_tokens": 2, **params}})
+                return c.post(infer, content=body, headers={"content-type": "application/json"})
+
+            assert v2(["a \ud800 b"]).status_code == 400
+            assert v2(["hi"], top_k=2**63).status_code == 400
+            assert v2(["hi"] * 65).status_code == 400
+            assert v2(["hi"]).status_code == 200
