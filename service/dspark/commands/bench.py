@@ -130,39 +130,16 @@ def serve_bench(
     output_dir,
 ) -> None:
     """Closed-loop load at rising concurrency: throughput, per-user speed, TTFT, verify budget per policy."""
-    import json
-
-    from dspark.bench.oracle import ORACLE
-    from dspark.bench.serve import (
-        as_json,
-        base_spec,
-        output_lengths,
-        plot_serve_bench,
-        run_serve_bench,
-        summarize,
-    )
+    from dspark.bench.serve import base_spec, output_lengths, run_serve_bench
     from dspark.commands.options import build_engine
-    from dspark.engine.policy_spec import needs_profile, parse_policy
+    from dspark.engine.policy_spec import needs_profile
     from dspark.engine.prompt import encode_prompt
     from dspark.engine.sampling_params import SamplingParams
     from dspark.profiling.acquire import acquire_profile
     from dspark.prompts.builtin import BUILTIN_PROMPTS
 
     levels = sorted({int(c) for c in concurrency.split(",")})
-    names = [p.strip() for p in policies.split(",") if p.strip()]
-    if len(set(names)) < len(names):
-        raise click.BadParameter(
-            "name each policy once (run one again as a twin: none#2)", param_hint="--policies"
-        )
-    # Refused before the model loads (and the SPS profile is measured), not at the first level.
-    for name in names:
-        if base_spec(name) != ORACLE:
-            try:
-                parse_policy(base_spec(name))
-            except ValueError as e:
-                raise click.BadParameter(str(e), param_hint="--policies") from None
-    if any(base_spec(n) == ORACLE for n in names) and temperature != 0:
-        raise click.BadParameter("the oracle policy needs --temperature 0", param_hint="--policies")
+    names = _serve_policy_names(policies, temperature)
     cfg = engine_config.model_copy(update={"policy": "none", "max_num_seqs": max(levels)})
     base = build_engine(cfg)
     sps = acquire_profile(base) if any(needs_profile(base_spec(n)) for n in names) else None
@@ -170,14 +147,6 @@ def serve_bench(
         encode_prompt(base.tokenizer, t) for d in domains.split(",") for t in BUILTIN_PROMPTS[d.strip()]
     ]
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
-
-    def show(p) -> None:
-        click.echo(
-            f"{p.policy:14s} C={p.concurrency:3d}  {p.aggregate_tokens_per_s:7.1f} tok/s  per-user p50 "
-            f"{p.per_user_p50:6.1f}  TTFT p50 {p.ttft_p50_s:.2f}s  budget {p.mean_verify_budget:.2f}  tau {p.mean_tau:.2f}  "
-            f"drafted {p.drafted_share:.0%}"
-        )
-
     lengths = output_lengths(max_tokens, length_spread)
     prompt_len = max(map(len, prompts))
     if prompt_len + max(lengths) > base.max_model_len:
@@ -194,12 +163,10 @@ def serve_bench(
         params,
         requests_per_level,
         sps=sps,
-        progress=show,
+        progress=_show_serve_point,
         rounds=rounds,
         lengths=lengths,
     )
-    output_dir.mkdir(parents=True, exist_ok=True)
-    summary = summarize(points)
     meta = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "config": engine_config.model_dump(),
@@ -209,6 +176,48 @@ def serve_bench(
         "temperature": temperature,
         "rounds": rounds,
     }
+    _write_serve_bench(points, meta, output_dir)
+
+
+def _serve_policy_names(policies: str, temperature: float) -> list[str]:
+    """The --policies list, every spelling checked before the model loads (and the SPS profile is
+    measured), not at the first level."""
+    from dspark.bench.oracle import ORACLE
+    from dspark.bench.serve import base_spec
+    from dspark.engine.policy_spec import parse_policy
+
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    if len(set(names)) < len(names):
+        raise click.BadParameter(
+            "name each policy once (run one again as a twin: none#2)", param_hint="--policies"
+        )
+    for name in names:
+        if base_spec(name) != ORACLE:
+            try:
+                parse_policy(base_spec(name))
+            except ValueError as e:
+                raise click.BadParameter(str(e), param_hint="--policies") from None
+    if any(base_spec(n) == ORACLE for n in names) and temperature != 0:
+        raise click.BadParameter("the oracle policy needs --temperature 0", param_hint="--policies")
+    return names
+
+
+def _show_serve_point(p) -> None:
+    click.echo(
+        f"{p.policy:14s} C={p.concurrency:3d}  {p.aggregate_tokens_per_s:7.1f} tok/s  per-user p50 "
+        f"{p.per_user_p50:6.1f}  TTFT p50 {p.ttft_p50_s:.2f}s  budget {p.mean_verify_budget:.2f}  tau {p.mean_tau:.2f}  "
+        f"drafted {p.drafted_share:.0%}"
+    )
+
+
+def _write_serve_bench(points, meta: dict, output_dir: Path) -> None:
+    """bench-serve.json (meta, summary, every point) and the two plots, then the summary on stdout."""
+    import json
+
+    from dspark.bench.serve import as_json, plot_serve_bench, summarize
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    summary = summarize(points)
     (output_dir / "bench-serve.json").write_text(
         json.dumps({"meta": meta, "summary": summary, "points": as_json(points)}, indent=2)
     )
