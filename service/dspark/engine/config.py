@@ -65,6 +65,12 @@ class EngineConfig(BaseModel):
         "set, else on for the CPU, falling back to eager where inductor cannot build). Start-up compiles "
         "them: about a minute the first time, seconds from inductor's on-disk cache.",
     )
+    build_in_background: bool = Field(
+        False,
+        description="Serve with the eager forward at once and build the compiled forward and the CPU "
+        "attention kernel on a background thread, switching to each between steps when it is ready "
+        "(an explicit `compile: true` still compiles before the first step).",
+    )
     cuda_graph_batch_sizes: tuple[int, ...] = Field(
         DEFAULT_BATCH_BUCKETS, min_length=1, description="Request-count buckets, capped by max_num_seqs."
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,10 +26,13 @@ from dspark.engine.stats import step_stats
 from dspark.engine.structured import GrammarCompiler, GrammarState
 from dspark.engine.verify import verify
 from dspark.engine.verify_policy import VerifyPolicy
+from dspark.models.background_build import BackgroundBuild, wants_kernel
 from dspark.models.compiled_forward import compiled_or_eager
 from dspark.models.config import head_dim
 from dspark.models.kv_cache import KVCache, check_kv_budget
 from dspark.models.static_batch import batch_buckets, key_buckets
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -78,11 +82,19 @@ class LLMEngine:
             dtype,
             device,
         )
-        forward = model
-        if config.compiles(device):
+        forward, self.background = model, None
+        compiles = config.compiles(device)
+        if compiles and (config.compile or not config.build_in_background):
             forward = compiled_or_eager(
                 model, self.cache, drafter.target_layers, required=bool(config.compile)
             )
+        elif compiles and "compiled_forward" in model.__dict__:
+            forward = model.__dict__["compiled_forward"]  # warmed up by an engine before this one
+            compiles = False
+        if config.build_in_background and (compiles or wants_kernel(device)):
+            self.background = BackgroundBuild(
+                model, self.cache, drafter.target_layers, kernel=wants_kernel(device), compile=compiles
+            ).start()
         self.runner = ModelRunner(forward, self.cache, device)
         self.static_runner = self._static_runner() if static else None
         prefix_cache = PrefixCache(drafter.context_limit) if config.prefix_caching else None
@@ -191,6 +203,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, draft, run one forward, verify, then advance requests and stream."""
         started = time.perf_counter()
+        if self.background is not None:
+            self._take_background_build()
         horizon = self._horizon()
         plan = self._schedule(horizon)
         if plan.empty:
@@ -201,6 +215,25 @@ class LLMEngine:
         outputs = postprocess(plan, draft, verified, forward, self.drafter, self.eos_ids, self._finish)
         self._record(plan, draft, report, verified.accepted, (forward_time, time.perf_counter() - started))
         return outputs
+
+    def _take_background_build(self) -> None:
+        """Switch to what the background build finished: the attention kernel, the compiled forward."""
+        finished = self.background.done.is_set()
+        self.background.take_kernel()
+        compiled = self.background.take_forward()
+        if compiled is not None:
+            self.runner.forward = compiled
+            log.info("steps now run the compiled forward")
+        if finished:
+            self.background = None
+
+    def wait_for_background_build(self, timeout_s: float | None = None) -> bool:
+        """Wait for the background build and switch to what it built; whether it finished in time."""
+        if self.background is not None:
+            if not self.background.done.wait(timeout_s):
+                return False
+            self._take_background_build()
+        return True
 
     def _horizon(self) -> int:
         """How far to draft, decided before the plan so that prompt chunks get the budget a short

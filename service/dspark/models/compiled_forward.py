@@ -65,6 +65,9 @@ class CompiledForward:
     A drafter's `hidden_layers` are sliced from a graph that returns every layer's
     output, not compiled in: dynamic shapes turn ints into symbols, and a tuple of layer numbers
     as a constant was not guarded reliably (torch 2.13 reused a graph built without it).
+
+    `warm_up` compiles every shape class a step meets and then freezes the graphs: a shape none of
+    them takes runs eagerly rather than stalling a step for a compile.
     """
 
     def __init__(self, model: DecoderModel) -> None:
@@ -99,17 +102,24 @@ class CompiledForward:
         return ForwardOutput(logits=logits, layer_hidden=hidden)
 
     def warm_up(self, cache: KVCache, hidden_layers: tuple[int, ...]) -> None:
-        """Compile every shape class a step meets, on a KV slot borrowed while no request runs: one
-        request decoding, a prompt chunk with and without its last token's logits, verification."""
+        """Compile every shape class a step meets, on a KV slot borrowed while no request runs (or of
+        a cache of its own): one request decoding, a prompt chunk with and without its last token's
+        logits, a one-token chunk without them, verification; then `freeze`."""
         device = cache.k.device
         slot = cache.allocate()
         try:
             for layers in {(), hidden_layers}:
-                for length, logit_rows in ((1, [0]), (5, [4]), (5, []), (3, [0, 1, 2])):
+                for length, logit_rows in ((1, [0]), (5, [4]), (5, []), (1, []), (3, [0, 1, 2])):
                     batch = ForwardBatch.build([slot], [0], [length], logit_rows, device)
                     self(torch.zeros(length, dtype=torch.int64, device=device), batch, cache, layers)
         finally:
             cache.free(slot)
+        self.freeze()
+
+    def freeze(self) -> None:
+        """Run only the graphs compiled so far; a call none of them takes runs eagerly."""
+        self._logits = torch._dynamo.run(self._logits_only)
+        self._layers = torch._dynamo.run(self._with_every_layer)
 
 
 def forward_kind(forward: CompiledForward | DecoderModel) -> str:

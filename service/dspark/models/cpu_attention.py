@@ -6,7 +6,7 @@ key once for the group's query heads and rows, and keeps scores in fp32.
 
 It is built once per machine with torch's extension builder (the C++ compiler inductor needs too)
 into `~/.cache/torch_extensions`. Where it cannot build, or with `DSPARK_CPU_ATTENTION=sdpa`,
-attention runs through SDPA.
+attention runs through SDPA; so it does while the build runs in the background (`defer_build`).
 """
 
 from __future__ import annotations
@@ -78,13 +78,36 @@ def _build() -> Built | None:
     )
 
 
+_deferred = False
+
+
 @functools.cache
 def short_attention_kernel() -> Built | None:
-    """The kernel's entry points and the head dims they take, or None where it is turned off or cannot build.
-    Read once, not per call: `cache_clear()` after changing `DSPARK_CPU_ATTENTION`."""
-    if os.environ.get("DSPARK_CPU_ATTENTION", "kernel") == "sdpa":
+    """The kernel's entry points and the head dims they take, or None where it is turned off, cannot
+    build or is deferred. Read once, not per call: `cache_clear()` after changing `DSPARK_CPU_ATTENTION`."""
+    if os.environ.get("DSPARK_CPU_ATTENTION", "kernel") == "sdpa" or _deferred:
         return None
     return _build()
+
+
+def defer_build() -> None:
+    """Run attention through SDPA in this process, instead of building the kernel (25-90 s) at its first
+    use, until `build_deferred` built it and `use_built` switched to it."""
+    global _deferred
+    _deferred = True
+    short_attention_kernel.cache_clear()
+
+
+def build_deferred() -> bool:
+    """Build (or load) the kernel without switching attention to it; whether it is usable."""
+    return os.environ.get("DSPARK_CPU_ATTENTION", "kernel") != "sdpa" and _build() is not None
+
+
+def use_built() -> None:
+    """Switch attention to the kernel `build_deferred` built; call between forwards."""
+    global _deferred
+    _deferred = False
+    short_attention_kernel.cache_clear()
 
 
 def _plain_inputs(*tensors: torch.Tensor) -> bool:

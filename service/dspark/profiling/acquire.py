@@ -16,6 +16,10 @@ from dspark.sps_format import ProfileError, SpsProfile
 
 log = logging.getLogger(__name__)
 
+# A profile in seconds for an engine that serves at once: one batch size per doubling, two forwards
+# each, over a shorter cached context (filling every slot with it is the largest part of the time).
+QUICK_PROFILE = {"points_per_octave": 1, "repeats": 2, "min_seconds": 0.0, "context_len": 128}
+
 
 def engine_identity(engine) -> tuple[str, str, str, str]:
     """(model, dtype, device, forward) as a profile records them."""
@@ -23,37 +27,63 @@ def engine_identity(engine) -> tuple[str, str, str, str]:
     return engine.model_name, dtype, current_device_name(), forward_kind(engine.runner.forward)
 
 
-def acquire_profile(engine, path: str | Path | None = None, strict: bool = False) -> SpsProfile:
+def acquire_profile(
+    engine, path: str | Path | None = None, strict: bool = False, quick: bool = False
+) -> SpsProfile:
     """Load the profile at `path` (or $DSPARK_SPS_PROFILE, or the cache) if it belongs to this
-    engine; otherwise say why, then profile now and cache the result (strict: refuse instead)."""
+    engine; otherwise say why, then profile now and cache the result (strict: refuse instead).
+
+    `quick` (an engine serving at once): from the cache, the profile of the forward the engine will
+    switch to is taken first, and a missing one is measured on `QUICK_GRID` in seconds rather than on
+    the full grid; the policy's `OnlineSps` refines either from the engine's own steps.
+    """
     model, dtype, device, forward = engine_identity(engine)
+    kinds = [forward]
+    if quick and (planned := _planned_forward(engine)) != forward:
+        kinds.insert(0, planned)
+    given = path or os.environ.get("DSPARK_SPS_PROFILE")
     cached = default_profile_path(model, dtype, device, forward)
-    source = Path(path or os.environ.get("DSPARK_SPS_PROFILE") or cached)
-    try:
-        profile = SpsProfile.load(source)
-        profile.ensure_matches(model, dtype, device, forward)
-        profile.ensure_covers(engine.config.max_batch_tokens)
-        log.info(
-            "using SPS profile %s (%d points, measured %s)", source, len(profile.points), profile.created
-        )
-        return profile
-    except ProfileError as e:
-        if strict:
-            raise
-        if source != cached or source.exists():
-            log.warning("%s; profiling this engine instead", e)
-        else:
+    sources = (
+        [(Path(given), forward)]
+        if given
+        else [(default_profile_path(model, dtype, device, k), k) for k in kinds]
+    )
+    for source, kind in sources:
+        try:
+            profile = SpsProfile.load(source)
+            profile.ensure_matches(model, dtype, device, kind)
+            profile.ensure_covers(engine.config.max_batch_tokens)
             log.info(
-                "no SPS profile for %s / %s / %s / %s forward yet; profiling this engine (once)",
-                model,
-                dtype,
-                device,
-                forward,
+                "using SPS profile %s (%d points, measured %s)", source, len(profile.points), profile.created
             )
-    profile = profile_with_progress(engine)
+            return profile
+        except ProfileError as e:
+            if strict:
+                raise
+            if source.exists() or source != cached:
+                log.warning("%s; profiling this engine instead", e)
+    if not any(source.exists() for source, _ in sources):
+        log.info(
+            "no SPS profile for %s / %s / %s / %s forward yet; profiling this engine (once%s)",
+            model,
+            dtype,
+            device,
+            forward,
+            ", a few seconds" if quick else "",
+        )
+    options = QUICK_PROFILE if quick else {}
+    profile = profile_with_progress(engine, **options)
     profile.save(cached)
     log.info("saved SPS profile %s", cached)
     return profile
+
+
+def _planned_forward(engine) -> str:
+    """The forward an engine building its compiled forward in the background will step with."""
+    background = getattr(engine, "background", None)
+    return (
+        "compiled" if background is not None and background.compile else forward_kind(engine.runner.forward)
+    )
 
 
 def profile_with_progress(engine, **options) -> SpsProfile:

@@ -91,13 +91,16 @@ def profile_engine(
     repeats: int = 3,
     min_seconds: float = 0.05,
     progress: Callable[[int, float], None] | None = None,
+    points_per_octave: int | None = None,
 ) -> SpsProfile:
-    """Fill every KV slot with a context, then time forwards of B tokens for each B in the grid;
+    """Fill every KV slot with a context, then time forwards of B tokens for each B in the grid (by
+    default `points_per_octave` sizes per doubling: 8 on CUDA, 4 elsewhere);
     `progress(B, forwards per second)` after every timed forward."""
     if engine.has_unfinished_requests():
         raise RuntimeError("profile an idle engine: requests are running")
     max_requests = engine.cache.num_free_slots
-    grid = grid or default_grid(engine.config.max_batch_tokens, 8 if engine.device.type == "cuda" else 4)
+    per_octave = points_per_octave or (8 if engine.device.type == "cuda" else 4)
+    grid = grid or default_grid(engine.config.max_batch_tokens, per_octave)
     # A request's context plus its share of the largest batch must fit in max_model_len.
     widest = max(batch_shape(grid[-1], max_requests))
     context_len = min(context_len, engine.max_model_len - widest)

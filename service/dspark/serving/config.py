@@ -36,6 +36,7 @@ ENGINE_FIELDS = (
     "tokenizer",
     "chat_template",
     "seed",
+    "build_in_background",
 )
 _EDGE = RequestLimits()  # the defaults of the request size limits
 
@@ -79,6 +80,12 @@ class ServeConfig(BaseModel):
         "auto",
         description="Sampling defaults for fields a request leaves out: `auto` the target's "
         "generation_config.json, `vllm` none (OpenAI's defaults), or a directory holding one.",
+    )
+    build_in_background: bool = Field(
+        True,
+        description="Serve with the eager forward as soon as the weights are loaded (and a quick SPS "
+        "profile, where none is stored) while the compiled forward and the CPU attention kernel build "
+        "in the background; False builds them before the first request.",
     )
 
     engine_in_thread: bool = Field(

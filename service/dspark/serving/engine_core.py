@@ -31,6 +31,7 @@ from dspark.serving.engine_messages import (
     Stop,
 )
 from dspark.serving.grammar_jobs import GrammarJobs
+from dspark.serving.runtime import STARTED_AT_ENV
 from dspark.serving.threads import GOMP_CPU_AFFINITY, ThreadPlan
 
 # Named, not __name__: run as `python -m`, this module is __main__, outside the dspark logger.
@@ -231,13 +232,31 @@ def load_engine(config: Any) -> Any:
     return engine
 
 
+class _SinceStart(logging.Formatter):
+    """`[+12.3 s] INFO name: message`, the seconds counted from `dspark serve`'s start
+    ($DSPARK_STARTED_AT), so the engine's stages read on one clock with the launcher's; without it,
+    no prefix."""
+
+    def __init__(self) -> None:
+        super().__init__("%(since)s%(levelname)s %(name)s: %(message)s")
+        try:
+            self.started: float | None = float(os.environ[STARTED_AT_ENV])
+        except (KeyError, ValueError):
+            self.started = None
+
+    def format(self, record: logging.LogRecord) -> str:
+        record.since = f"[+{record.created - self.started:.1f} s] " if self.started is not None else ""
+        return super().format(record)
+
+
 def _log_start_up() -> None:
-    """Show the engine's INFO lines (drafter, policy, which SPS profile or a new measurement) in the
-    replica's output: outside Ray's own loggers a replica process keeps only warnings."""
+    """Show the engine's INFO lines (drafter, policy, which SPS profile or a new measurement, the
+    background build) in the replica's output: outside Ray's own loggers a replica process keeps only
+    warnings."""
     logger = logging.getLogger("dspark")
     if not logger.handlers:
         handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(_SinceStart())
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
         logger.propagate = False  # where Ray gave the root logger a handler, once is enough

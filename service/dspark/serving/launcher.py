@@ -7,9 +7,11 @@ import math
 import os
 import signal
 import threading
+import time
 
 from dspark.serving.config import ServeConfig
 from dspark.serving.runtime import (
+    STARTED_AT_ENV,
     check_port_free,
     ingress_env,
     run_openai_server,
@@ -39,13 +41,28 @@ def prepare_model(config: ServeConfig) -> None:
 
 
 def serve_forever(config: ServeConfig, announce=print) -> None:
-    """Run the configured front end in the foreground; SIGINT/SIGTERM drain in-flight requests and stop."""
+    """Run the configured front end in the foreground; SIGINT/SIGTERM drain in-flight requests and stop.
+
+    Each start-up stage is announced with the seconds since the start; the engine's own lines carry
+    the same clock ($DSPARK_STARTED_AT).
+    """
+    started = time.time()
+    os.environ[STARTED_AT_ENV] = repr(started)
+
+    def stage(message: str) -> None:
+        announce(f"[+{time.time() - started:.1f} s] {message}")
+
     check_port_free(config.host, config.port)
     prepare_model(config)
+    stage("model ready; starting Ray")
     cpus = max(os.cpu_count() or 1, math.ceil(config.replica_cpus() * config.max_replicas))
     start_ray(num_cpus=cpus, env=ingress_env(config))
     # After ray.init: Ray's core worker installs a SIGTERM handler that kills the driver on the spot.
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    stage(
+        "starting the engine: weights, then an SPS profile where none is stored"
+        + (" (a few seconds; compiling follows in the background)" if config.build_in_background else "")
+    )
     serving = False
     try:
         if config.kserve:
@@ -53,7 +70,7 @@ def serve_forever(config: ServeConfig, announce=print) -> None:
 
             handle, name = deploy_engine_backend(config)
             serving = True
-            announce(
+            stage(
                 f"KServe model `{name}` on http://{config.host}:{config.port} "
                 f"(v2: /v2/models/{name}/infer, OpenAI: /openai/v1)"
             )
@@ -61,7 +78,7 @@ def serve_forever(config: ServeConfig, announce=print) -> None:
         else:
             run_openai_server(config)
             serving = True
-            announce(
+            stage(
                 f"DSpark Serve on http://{config.host}:{config.port} (OpenAI API under /v1); Ctrl-C stops it"
             )
             threading.Event().wait()

@@ -48,10 +48,15 @@ def daemon_env(environ: Mapping[str, str]) -> dict[str, str]:
     return _unless_set(DAEMON_ENV, environ)
 
 
+# When `dspark serve` started (time.time()): the engine's start-up lines count their seconds from it.
+STARTED_AT_ENV = "DSPARK_STARTED_AT"
+
+
 def replica_env() -> dict[str, str]:
-    """Environment of the replica processes: the code path, and OpenMP settings unless set already
-    (`dspark.OPENMP_ENV`: a replica may load torch before it imports dspark)."""
-    return {"PYTHONPATH": _code_path(), **_unless_set(OPENMP_ENV, os.environ)}
+    """Environment of the replica processes: the code path, the server's start time, and OpenMP
+    settings unless set already (`dspark.OPENMP_ENV`: a replica may load torch before it imports dspark)."""
+    started = {STARTED_AT_ENV: os.environ[STARTED_AT_ENV]} if STARTED_AT_ENV in os.environ else {}
+    return {"PYTHONPATH": _code_path(), **started, **_unless_set(OPENMP_ENV, os.environ)}
 
 
 DIRECT_INGRESS_FLAG = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
