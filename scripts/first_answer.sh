@@ -32,7 +32,7 @@ unset DSPARK_SPS_PROFILE
 started=$(date +%s.%N)
 "$dspark" serve --port "$port" "$@" >"$log" 2>&1 &
 server=$!
-trap 'kill -INT $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
+trap 'kill -TERM $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
 
 ask() {
   curl -sf --max-time 600 "http://127.0.0.1:$port/v1/chat/completions" \

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -30,7 +31,9 @@ def engine_from_config(config: EngineConfig) -> LLMEngine:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     model_dir = resolve_target(config.target)
+    started = time.perf_counter()
     model = load_target_model(model_dir, dtype, device)
+    log.info("loaded %s (%s, %s) in %.1f s", config.target, dtype, device, time.perf_counter() - started)
     if config.seed is not None:
         torch.manual_seed(config.seed)
     tokenizer = AutoTokenizer.from_pretrained(

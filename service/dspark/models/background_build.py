@@ -67,8 +67,10 @@ class BackgroundBuild:
     def _run(self) -> None:
         _lower_this_thread(BUILD_NICENESS)
         try:
-            if self.kernel and cpu_attention.build_deferred():
-                self._kernel_built.set()
+            if self.kernel:
+                log.info("building the CPU attention kernel in the background (25-90 s the first time)")
+                if cpu_attention.build_deferred():
+                    self._kernel_built.set()
             if self.compile:
                 self._compiled = self._compiled_forward()
         finally:

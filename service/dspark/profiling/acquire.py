@@ -60,7 +60,7 @@ def acquire_profile(
         except ProfileError as e:
             if strict:
                 raise
-            if source.exists() or source != cached:
+            if given or source.exists():
                 log.warning("%s; profiling this engine instead", e)
     if not any(source.exists() for source, _ in sources):
         log.info(
