@@ -201,6 +201,7 @@ def test_engine_placement_systems_pass_their_flags():
     assert command("dspark-plain-inthread")[-1] == "--engine-in-thread"
     assert command("dspark-plain-threads2")[-2:] == ["--engine-threads", "2"]
     assert "--engine-in-thread" not in command("dspark-plain") and "--drafter" in command("dspark-plain")
+    assert all("--build-before-serving" in command(name) for name in ("dspark", "dspark-eager"))
 
 
 def test_an_inprocess_thread_count_applies_to_its_system_only(monkeypatch):
