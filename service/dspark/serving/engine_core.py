@@ -292,7 +292,20 @@ def main(argv: list[str]) -> int:
         conn.send(info)
     except OSError:
         return 0
-    return EngineCore(engine, conn, plan).run()
+    try:
+        return EngineCore(engine, conn, plan).run()
+    finally:
+        _end_own_children()
+
+
+def _end_own_children() -> None:
+    """Kill what this process started and left running: a background build's C++ compilers and
+    inductor's compile workers would outlive a stopped server."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            child.kill()
 
 
 def _build_on_every_core(parent: int) -> set[int]:
