@@ -92,7 +92,8 @@ def shipped_dspark_drafter(engine: LLMEngine) -> Drafter:
 
 def reference_logits(logits: torch.Tensor, prompt: list[int], output: list[int], params) -> torch.Tensor:
     """Processed logits of one position, token by token (independent of `logits_processors`):
-    logit_bias, repetition over prompt + output, frequency and presence over the output."""
+    logit_bias, repetition over prompt + output, frequency and presence over the output, and the
+    stop tokens masked while fewer than min_tokens exist (EOS is not known here: ignore_eos)."""
     x = logits.clone().float()
     for token, bias in params.logit_bias.items():
         x[token] += bias
@@ -102,6 +103,8 @@ def reference_logits(logits: torch.Tensor, prompt: list[int], output: list[int],
             x[t] = x[t] / params.repetition_penalty if x[t] > 0 else x[t] * params.repetition_penalty
         count = output.count(t)
         x[t] -= params.frequency_penalty * count + params.presence_penalty * (count > 0)
+    if len(output) < params.min_tokens:
+        x[list(params.stop_token_ids)] = float("-inf")
     return x
 
 

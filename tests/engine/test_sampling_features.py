@@ -1,4 +1,4 @@
-"""Penalties, min_p, logit_bias, n > 1 and per-request speculation through the whole engine:
+"""Penalties, min_p, logit_bias, min_tokens, n > 1 and per-request speculation through the whole engine:
 speculative decoding follows the processed target distribution exactly (tiny target), greedy
 output with penalties equals plain decoding, and a request with speculation off reproduces its
 plain output while its neighbours speculate."""
@@ -65,6 +65,8 @@ CASES = {
     "repetition": SamplingParams(repetition_penalty=2.5, temperature=0.8),
     "min_p": SamplingParams(min_p=0.2),
     "logit_bias": SamplingParams(logit_bias={3: 2.5, 6: -100.0, 0: 1.0}),
+    # Tokens 2 and 5 are masked at output positions 0 and 1 only (and end the request at 2).
+    "min_tokens": SamplingParams(min_tokens=2, stop_token_ids=[2, 5]),
 }
 
 

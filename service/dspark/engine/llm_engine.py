@@ -167,8 +167,17 @@ class LLMEngine:
         request = Request(
             request_id, prompt, params, on_output=on_output, generator=generator, grammar=grammar
         )
+        if params.min_tokens:
+            request.min_tokens_stops = frozenset(params.stop_token_ids) | (
+                frozenset() if params.ignore_eos else self.eos_ids
+            )
         if self.tokenizer is not None:  # engines built for statistics tests run without one
-            request.detokenizer = Detokenizer(self.tokenizer, request.output_token_ids)
+            request.detokenizer = Detokenizer(
+                self.tokenizer,
+                request.output_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+            )
         request.stats.arrival_time = time.perf_counter()
         self.requests[request_id] = request
         self.scheduler.add(request)

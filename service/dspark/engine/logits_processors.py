@@ -1,10 +1,11 @@
-"""Logits processors that change the target distribution: logit_bias and the repetition, frequency
-and presence penalties (OpenAI / vLLM semantics), batched over verification blocks.
+"""Logits processors that change the target distribution: logit_bias, the repetition, frequency
+and presence penalties (OpenAI / vLLM semantics) and min_tokens' mask of EOS and stop tokens,
+batched over verification blocks.
 
 Verification samples from the processed target distribution, so speculation stays lossless with
 respect to it. Position k of a verification block follows the anchor and draft tokens 0..k-1; if
 the block is accepted up to k those drafts are output tokens, so the penalties at position k count
-them too. Draft proposals are not processed: rejection sampling corrects any draft distribution.
+them too, and min_tokens masks position k while fewer than min_tokens - k tokens exist. Draft proposals are not processed: rejection sampling corrects any draft distribution.
 """
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ class LogitsProcessors:
     repetition: torch.Tensor  # [P, 1, 1]
     frequency: torch.Tensor  # [P, 1, 1]
     presence: torch.Tensor  # [P, 1, 1]
+    stops: torch.Tensor | None = None  # [P, V] bool, EOS and stop tokens that min_tokens holds back
+    stops_left: torch.Tensor | None = None  # [P, 1] block positions they stay masked for (0 = none)
 
     @classmethod
     def build(cls, requests: Sequence[Request], vocab: int, device: torch.device) -> LogitsProcessors | None:
         """None when no request needs processing: all-default batches pay for this loop only."""
-        rows = [i for i, r in enumerate(requests) if r.params.processes_logits]
+        rows = [i for i, r in enumerate(requests) if r.params.processes_logits or r.holds_stops]
         if not rows:
             return None
         params = [requests[i].params for i in rows]
@@ -54,6 +57,14 @@ class LogitsProcessors:
             counts = _token_counts([r.output_token_ids for r in reqs], vocab, device)
             if any(p.repetition_penalty != 1.0 for p in params):
                 seen = _token_counts([r.prompt_token_ids for r in reqs], vocab, device) > 0
+        stops = stops_left = None
+        if any(r.holds_stops for r in reqs):
+            stops = torch.zeros((len(rows), vocab), dtype=torch.bool, device=device)
+            for i, r in enumerate(reqs):
+                ids = [t for t in r.min_tokens_stops if t < vocab] if r.holds_stops else []
+                stops[i, ids] = True
+            left = [max(r.params.min_tokens - len(r.output_token_ids), 0) for r in reqs]
+            stops_left = torch.tensor(left, dtype=torch.long, device=device)[:, None]
         return cls(
             rows=torch.tensor(rows, dtype=torch.long, device=device),
             all_rows=len(rows) == len(requests),
@@ -63,6 +74,8 @@ class LogitsProcessors:
             repetition=column([p.repetition_penalty for p in params]),
             frequency=column([p.frequency_penalty for p in params]),
             presence=column([p.presence_penalty for p in params]),
+            stops=stops,
+            stops_left=stops_left,
         )
 
     def apply(self, logits: torch.Tensor, drafts: torch.Tensor | None = None) -> torch.Tensor:
@@ -82,6 +95,9 @@ class LogitsProcessors:
                 penalised = torch.where(sub > 0, sub / self.repetition, sub * self.repetition)
                 sub = torch.where(seen, penalised, sub)
             sub = sub - self.frequency * counts - self.presence * generated.float()
+        if self.stops is not None:  # position k follows k more tokens
+            held = torch.arange(sub.shape[1], device=sub.device)[None, :] < self.stops_left  # [P, W + 1]
+            sub = sub.masked_fill(held[:, :, None] & self.stops[:, None, :], float("-inf"))
         if self.all_rows:
             out = sub
         else:

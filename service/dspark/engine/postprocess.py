@@ -70,7 +70,10 @@ def emit(
         request.finish_reason = "error"  # this request alone
     delta = ""
     if request.detokenizer is not None:
-        delta = new_text(request, request.detokenizer.update(final=request.finish_reason is not None))
+        # The EOS or stop token that finished the request has no text unless asked for.
+        by_token = request.finish_reason == "stop" and not request.params.include_stop_str_in_output
+        text = request.detokenizer.update(final=request.finish_reason is not None, drop_last=by_token)
+        delta = new_text(request, text)
     logprobs, stats = None, None
     if request.params.logprobs is not None:
         logprobs = _logprobs(token_logits[:kept], tokens, request.params.logprobs)

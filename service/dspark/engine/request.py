@@ -48,6 +48,8 @@ class Request:
     detokenizer: Detokenizer | None = None  # None: no text (engines built without a tokenizer)
     finish_reason: str | None = None
     grammar: GrammarState | None = None  # structured outputs: the matcher of the tokens so far
+    # EOS and stop token ids masked while fewer than params.min_tokens tokens exist (set at admission)
+    min_tokens_stops: frozenset[int] = frozenset()
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -65,6 +67,11 @@ class Request:
     @property
     def in_prefill(self) -> bool:
         return self.num_cached < len(self.prompt_token_ids)
+
+    @property
+    def holds_stops(self) -> bool:
+        """Whether the target's next logits mask EOS and the stop tokens (min_tokens not reached)."""
+        return bool(self.min_tokens_stops) and len(self.output_token_ids) < self.params.min_tokens
 
     @property
     def remaining_tokens(self) -> int:

@@ -47,6 +47,18 @@ class SamplingParams(BaseModel):
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = Field(
+        0,
+        ge=0,
+        description="EOS and stop tokens are masked, and stop strings unchecked, until this many exist.",
+    )
+    include_stop_str_in_output: bool = Field(
+        False, description="Keep the matched stop string, or the stop token's text, in the output."
+    )
+    skip_special_tokens: bool = Field(True, description="Leave special tokens out of the output text.")
+    spaces_between_special_tokens: bool = Field(
+        True, description="Separate special tokens from the text around them by a space (when not skipped)."
+    )
     logprobs: int | None = Field(None, ge=0, le=20, description="Return this many top logprobs per token.")
     max_draft_tokens: int | None = Field(
         None, ge=0, description="Cap on draft tokens verified per step (0 = no speculation; None = policy's)."
@@ -71,11 +83,17 @@ class SamplingParams(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _grammar_needs_eos(self):
+    def _stopping_consistent(self):
         if self.structured is not None and self.ignore_eos:
             raise ValueError(
                 "ignore_eos cannot be combined with structured outputs (the grammar ends with EOS)"
             )
+        if self.structured is not None and self.min_tokens:
+            raise ValueError(
+                "min_tokens cannot be combined with structured outputs (a complete match allows only EOS)"
+            )
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         return self
 
     @property

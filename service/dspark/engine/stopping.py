@@ -20,18 +20,21 @@ def append_tokens(request: Request, tokens: list[int], eos_ids: frozenset[int]) 
 
 
 def new_text(request: Request, full_text: str) -> str:
-    """The not-yet-emitted part of `full_text`, cut at a stop string (which then finishes the request).
+    """The not-yet-emitted part of `full_text`, cut at a stop string (which then finishes the request;
+    `include_stop_str_in_output` keeps the stop string). Stop strings count once `min_tokens` exist.
 
     Text that ends in an incomplete UTF-8 sequence is held back until it completes.
     """
+    params = request.params
     if request.finish_reason is None and full_text.endswith("\ufffd"):
         full_text = full_text.rstrip("\ufffd")
-    if request.params.stop:
-        search_from = max(0, len(request.text) - max(len(s) for s in request.params.stop) + 1)
-        hits = [i for s in request.params.stop if (i := full_text.find(s, search_from)) >= 0]
+    if params.stop and len(request.output_token_ids) >= params.min_tokens:
+        search_from = max(0, len(request.text) - max(len(s) for s in params.stop) + 1)
+        hits = [(i, s) for s in params.stop if (i := full_text.find(s, search_from)) >= 0]
         if hits:
             request.finish_reason = "stop"
-            full_text = full_text[: min(hits)]
+            at, stop = min(hits, key=lambda hit: hit[0])
+            full_text = full_text[: at + len(stop) if params.include_stop_str_in_output else at]
     delta = full_text[len(request.text) :]
     request.text += delta
     return delta

@@ -1,5 +1,5 @@
 """The target distribution verification samples from, for batches where some requests ask for
-penalties, `logit_bias` or a grammar.
+penalties, `logit_bias`, `min_tokens` (not yet reached) or a grammar.
 
 Only those requests' rows are gathered and processed (the rest keep the forward's logits): an
 all-default batch costs one pass over its requests, and a processed request costs its own rows,
@@ -34,7 +34,11 @@ def process_rows(
 ) -> ProcessedRows | None:
     """Process the rows that need it; logits [R, W, V] (position k after drafts [R, >= W - 1]
     0..k-1, row r read up to position lengths[r]) or [R, V] (a prompt's first token). None: no row."""
-    rows = [i for i, r in enumerate(requests) if r.params.processes_logits or r.grammar is not None]
+    rows = [
+        i
+        for i, r in enumerate(requests)
+        if r.params.processes_logits or r.holds_stops or r.grammar is not None
+    ]
     if not rows:
         return None
     index = torch.tensor(rows, dtype=torch.long, device=logits.device)
