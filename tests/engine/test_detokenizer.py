@@ -92,3 +92,29 @@ def test_tokenizers_that_cannot_stream_decode_the_whole_output(tokenizer, slow) 
         detok = Detokenizer(counting, out)
         _feed(detok, out, ids, random.Random(2), full)
         assert counting.decodes > 1  # every step decodes the whole output
+
+
+def test_special_tokens_kept_stream_as_decode_and_spaced_apart(tokenizer) -> None:
+    rng = random.Random(3)
+    for ids in _token_streams(tokenizer):
+        out: list[int] = []
+        counting = _CountingDecodes(tokenizer)
+        detok = Detokenizer(counting, out, skip_special_tokens=False, spaces_between_special_tokens=False)
+        _feed(detok, out, ids, rng, lambda prefix: tokenizer.decode(prefix, skip_special_tokens=False))
+        assert counting.decodes == 1  # kept special tokens stream too
+    start, end = (tokenizer.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>"))
+    words = [tokenizer.encode(w, add_special_tokens=False) for w in ("Hello", "world")]
+    ids = [*words[0], start, *words[1], end]
+    texts = {}
+    for skip, spaced in ((True, True), (False, False), (False, True)):
+        out = []
+        detok = Detokenizer(tokenizer, out, skip_special_tokens=skip, spaces_between_special_tokens=spaced)
+        _feed(detok, out, ids, rng, detok.decode)
+        texts[skip, spaced] = detok.text
+    assert texts[True, True] == "Helloworld"
+    assert texts[False, False] == "Hello<|im_start|>world<|im_end|>"
+    assert texts[False, True] == "Hello <|im_start|> world <|im_end|>"
+    out = [*words[0], end]
+    assert (
+        Detokenizer(tokenizer, out, skip_special_tokens=False).update(final=True, drop_last=True) == "Hello"
+    )

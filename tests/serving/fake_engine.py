@@ -36,9 +36,20 @@ class CharTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return "".join(_CHARS[i - 1] for i in ids if 0 < i <= len(_CHARS))
 
-    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [self.decode([i]) for i in ids]
+
+    def apply_chat_template(
+        self, messages, tokenize=False, add_generation_prompt=True, enable_thinking=True, **variables
+    ):
+        """Qwen3's switch as its template has it: `enable_thinking=False` opens the reply with an
+        empty think block; other variables are refused, as a template would fail on them."""
+        if variables:
+            raise TypeError(f"unexpected template variables {sorted(variables)}")
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
-        return text + ("<assistant>" if add_generation_prompt else "")
+        if add_generation_prompt:
+            text += "<assistant>" + ("" if enable_thinking else "<think></think>")
+        return text
 
 
 @dataclass

@@ -353,3 +353,19 @@ def test_hostile_requests_are_4xx_and_the_server_keeps_serving(server):
             assert v2(["hi"], top_k=2**63).status_code == 400
             assert v2(["hi"] * 65).status_code == 400
             assert v2(["hi"]).status_code == 200
+
+
+def test_tokenizer_routes_behind_the_key(server):
+    """/tokenize and /detokenize beside the OpenAI routes (under /openai with KServe), key required."""
+    root = server.openai_base.removesuffix("/v1")
+    body = {"model": server.model, "prompt": PROMPTS[0]}
+    assert httpx.post(root + "/tokenize", json=body, timeout=30).status_code == 401
+    r = httpx.post(root + "/tokenize", json=body, headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text
+    ids = r.json()["tokens"]
+    usage = openai.OpenAI(base_url=server.openai_base, api_key=API_KEY, max_retries=0).completions.create(
+        model=server.model, prompt=PROMPTS[0], max_tokens=1
+    )
+    assert r.json()["count"] == len(ids) == usage.usage.prompt_tokens
+    back = httpx.post(root + "/detokenize", json={"tokens": ids}, headers=AUTH, timeout=30)
+    assert back.status_code == 200 and back.json() == {"prompt": PROMPTS[0]}

@@ -23,18 +23,23 @@ def new_text(request: Request, full_text: str) -> str:
     """The not-yet-emitted part of `full_text`, cut at a stop string (which then finishes the request;
     `include_stop_str_in_output` keeps the stop string). Stop strings count once `min_tokens` exist.
 
-    Text that ends in an incomplete UTF-8 sequence is held back until it completes.
+    Text that ends in an incomplete UTF-8 sequence is held back until it completes, and so is text
+    that may be the start of a stop string (its last max(len(stop)) - 1 characters): no part of a
+    stop string is ever emitted unless asked for.
     """
     params = request.params
     if request.finish_reason is None and full_text.endswith("\ufffd"):
         full_text = full_text.rstrip("\ufffd")
     if params.stop and len(request.output_token_ids) >= params.min_tokens:
-        search_from = max(0, len(request.text) - max(len(s) for s in params.stop) + 1)
+        longest = max(len(s) for s in params.stop)
+        search_from = max(0, len(request.text) - longest + 1)
         hits = [(i, s) for s in params.stop if (i := full_text.find(s, search_from)) >= 0]
         if hits:
             request.finish_reason = "stop"
             at, stop = min(hits, key=lambda hit: hit[0])
             full_text = full_text[: at + len(stop) if params.include_stop_str_in_output else at]
+        elif request.finish_reason is None and not params.include_stop_str_in_output:
+            full_text = full_text[: max(len(request.text), len(full_text) - longest + 1)]
     delta = full_text[len(request.text) :]
     request.text += delta
     return delta

@@ -13,7 +13,12 @@ from dspark.serving.auth import BearerAuth
 from dspark.serving.config import ServeConfig
 from dspark.serving.engine_messages import EngineFactory
 from dspark.serving.openai_routes import build_openai_app
-from dspark.serving.openai_schemas import ChatCompletionRequest, CompletionRequest
+from dspark.serving.openai_schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from dspark.serving.openai_service import Frame, JSONReply
 from dspark.serving.replica import EngineReplica
 
@@ -80,6 +85,12 @@ class EngineBackend:
 
     async def models(self) -> dict[str, Any]:
         return await self.replica.models()
+
+    async def tokenize(self, body: TokenizeRequest) -> JSONReply:
+        return await self.replica.service.tokenize(body)
+
+    async def detokenize(self, body: DetokenizeRequest) -> JSONReply:
+        return await self.replica.service.detokenize(body)
 
     async def ready(self) -> bool:
         return await self.replica.ready()

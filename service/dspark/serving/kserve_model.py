@@ -22,7 +22,12 @@ from dspark.serving.auth import BearerAuth
 from dspark.serving.body_limit import BodyLimit
 from dspark.serving.config import ServeConfig
 from dspark.serving.openai_routes import build_openai_app
-from dspark.serving.openai_schemas import ChatCompletionRequest, CompletionRequest
+from dspark.serving.openai_schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from dspark.serving.openai_service import Frame, JSONReply
 from dspark.serving.replica import V2_INPUT, V2_OUTPUT
 
@@ -116,6 +121,12 @@ class HandleBackend:
 
     async def models(self) -> dict[str, Any]:
         return await self.handle.models.remote()
+
+    async def tokenize(self, req: TokenizeRequest) -> JSONReply:
+        return await self.handle.tokenize.remote(req)
+
+    async def detokenize(self, req: DetokenizeRequest) -> JSONReply:
+        return await self.handle.detokenize.remote(req)
 
     async def _frames(self, route: str, req: Any) -> AsyncIterator[Frame]:
         gen = self.handle.options(stream=True).openai.remote(route, req)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
@@ -10,12 +11,19 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dspark.serving.auth import BearerAuth
 from dspark.serving.body_limit import BodyLimit
 from dspark.serving.errors import APIError, error_body, validation_message
-from dspark.serving.openai_schemas import ChatCompletionRequest, CompletionRequest
+from dspark.serving.openai_schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    tokenize_request,
+)
 from dspark.serving.openai_service import Frame, JSONReply
 from dspark.serving.request_limits import RequestLimits
 
@@ -30,6 +38,10 @@ class OpenAIBackend(Protocol):
     def chat(self, req: ChatCompletionRequest) -> AsyncIterator[Frame]: ...
 
     async def models(self) -> dict[str, Any]: ...
+
+    async def tokenize(self, req: TokenizeRequest) -> JSONReply: ...
+
+    async def detokenize(self, req: DetokenizeRequest) -> JSONReply: ...
 
 
 async def to_response(frames: AsyncIterator[Frame]) -> Response:
@@ -51,6 +63,10 @@ async def to_response(frames: AsyncIterator[Frame]) -> Response:
             await it.aclose()
 
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _reply(reply: JSONReply) -> JSONResponse:
+    return JSONResponse(reply.body, status_code=reply.status, headers=reply.headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -89,9 +105,9 @@ def build_openai_app(
     title: str = "DSpark Serve",
     max_body_bytes: int = RequestLimits.max_body_bytes,
 ) -> FastAPI:
-    """The OpenAI routes; with `ready`/`metrics`, also /health, /ready and /metrics (open without the key,
-    as every other route is not: `auth.OPEN_ROUTES`). `health` says why the replica cannot serve (its
-    engine dead or hung), or None."""
+    """The OpenAI routes and vLLM's /tokenize and /detokenize; with `ready`/`metrics`, also /health,
+    /ready and /metrics (open without the key, as every other route is not: `auth.OPEN_ROUTES`).
+    `health` says why the replica cannot serve (its engine dead or hung), or None."""
     app = FastAPI(title=title, version="1", docs_url=None, redoc_url=None)
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
@@ -108,6 +124,21 @@ def build_openai_app(
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return await backend.models()
+
+    @app.post("/tokenize", responses={400: {}, 401: {}, 404: {}})
+    async def tokenize(request: Request) -> JSONResponse:
+        # A prompt or messages: the body's keys choose the schema, so errors name the fields.
+        try:
+            body = tokenize_request(await request.json())
+        except json.JSONDecodeError:
+            return JSONResponse(error_body(400, "the body is not valid JSON"), status_code=400)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+        return _reply(await backend.tokenize(body))
+
+    @app.post("/detokenize", responses={400: {}, 401: {}, 404: {}})
+    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
+        return _reply(await backend.detokenize(body))
 
     if ready is not None:
 

@@ -14,7 +14,47 @@ MAX_STOP = 16  # stop_token_ids (stop strings: the server's limits)
 MAX_LOGPROBS = 20
 MAX_N = 128
 MAX_PROMPTS = 256
+MAX_TEMPLATE_KWARGS = 32
 _TOKEN_ID = Annotated[int, Field(ge=0, lt=2**31)]
+# Arguments of `apply_chat_template` and variables it sets itself: not for chat_template_kwargs.
+_TEMPLATE_ARGUMENTS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
+def _check_template_kwargs(v: dict[str, Any] | None) -> dict[str, Any] | None:
+    clash = sorted(set(v or {}) & _TEMPLATE_ARGUMENTS)
+    if clash:
+        raise ValueError(
+            f"{clash[0]!r} cannot be set through chat_template_kwargs (the server or a request field sets it)"
+        )
+    return v
+
+
+ChatTemplateKwargs = Annotated[
+    dict[str, Any] | None,
+    Field(
+        None,
+        max_length=MAX_TEMPLATE_KWARGS,
+        description="vLLM extension: extra variables of the chat template, e.g. Qwen3's enable_thinking.",
+    ),
+]
 
 
 def _not_unicode(data: Any) -> str | None:
@@ -51,6 +91,9 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = Field(
+        False, description="vLLM extension: with include_usage, every chunk carries the usage so far."
+    )
 
 
 class SpeculativeOptions(_Strict):
@@ -81,14 +124,13 @@ _UNSUPPORTED: dict[str, str] = {
     "web_search_options": "web search is not supported",
     "reasoning_effort": "this model has no reasoning-effort control",
     "prompt_logprobs": "prompt logprobs are not supported",
-    "min_tokens": "min_tokens is not supported",
     "suffix": "suffix (insertion) is not supported",
     "guided_json": "the guided_* fields are not supported; use structured_outputs",
     "guided_regex": "the guided_* fields are not supported; use structured_outputs",
     "guided_choice": "the guided_* fields are not supported; use structured_outputs",
     "guided_grammar": "the guided_* fields are not supported; use structured_outputs",
 }
-_UNSUPPORTED_COMMON = ("prompt_logprobs", "min_tokens", *(k for k in _UNSUPPORTED if k.startswith("guided_")))
+_UNSUPPORTED_COMMON = ("prompt_logprobs", *(k for k in _UNSUPPORTED if k.startswith("guided_")))
 JSON_OBJECT = '{"type": "object"}'
 
 
@@ -182,7 +224,17 @@ class _SamplingFields(_Strict):
     metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(None, max_length=16)
     store: StrictBool | None = None
     service_tier: str | None = Field(None, max_length=32)
-    ignore_eos: StrictBool = False
+    ignore_eos: StrictBool = Field(False, description="vLLM extension: EOS neither stops nor is masked.")
+    min_tokens: int = Field(
+        0, ge=0, description="vLLM extension: EOS and stop tokens are held back until this many exist."
+    )
+    include_stop_str_in_output: StrictBool = Field(
+        False, description="vLLM extension: keep the stop string (or stop token's text) in the output."
+    )
+    skip_special_tokens: StrictBool = Field(True, description="vLLM extension: leave special tokens out.")
+    spaces_between_special_tokens: StrictBool = Field(
+        True, description="vLLM extension: a space between special tokens and text (when kept)."
+    )
     return_tokens_as_token_ids: StrictBool = Field(
         False, description="vLLM extension: logprob tokens are spelled 'token_id:<id>'."
     )
@@ -237,6 +289,14 @@ class _SamplingFields(_Strict):
     @property
     def token_bias(self) -> dict[int, float]:
         return {int(k): v for k, v in (self.logit_bias or {}).items()}
+
+    @model_validator(mode="after")
+    def _min_tokens_free_text(self):
+        if self.min_tokens and self.constraint() is not None:
+            raise ValueError(
+                "min_tokens cannot be combined with structured outputs (a complete match allows only EOS)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -321,6 +381,9 @@ class ChatCompletionRequest(_SamplingFields):
         None, discriminator="type"
     )
     modalities: list[Literal["text"]] | None = None
+    chat_template_kwargs: ChatTemplateKwargs
+
+    _template_kwargs = field_validator("chat_template_kwargs")(_check_template_kwargs)
 
     @classmethod
     def _refuse_values(cls, data: dict[str, Any]) -> None:
@@ -367,3 +430,49 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def output_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeCompletionRequest(_Strict):
+    """POST /tokenize with a prompt (vLLM's shape)."""
+
+    model: str | None = Field(None, max_length=256)
+    prompt: str
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class TokenizeChatRequest(_Strict):
+    """POST /tokenize with messages: the prompt a chat completion would see (vLLM's shape)."""
+
+    model: str | None = Field(None, max_length=256)
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    add_special_tokens: StrictBool = False
+    return_token_strs: StrictBool = False
+    chat_template_kwargs: ChatTemplateKwargs
+
+    _template_kwargs = field_validator("chat_template_kwargs")(_check_template_kwargs)
+
+    @model_validator(mode="after")
+    def _one_ending(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        return self
+
+
+TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
+
+
+def tokenize_request(data: Any) -> TokenizeRequest:
+    """The /tokenize body as the shape it has: messages (chat) or a prompt (raises ValidationError)."""
+    if isinstance(data, dict) and "messages" in data:
+        return TokenizeChatRequest.model_validate(data)
+    return TokenizeCompletionRequest.model_validate(data)
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize (vLLM's shape): token ids back to text, special tokens included."""
+
+    model: str | None = Field(None, max_length=256)
+    tokens: list[_TOKEN_ID]

@@ -24,7 +24,14 @@ from dspark.engine.sampling_params import SamplingParams
 from dspark.serving.engine_loop import AsyncEngineClient, EngineStopped, QueueFull, RequestStream
 from dspark.serving.errors import APIError, bad_request, error_body
 from dspark.serving.metrics import ServingMetrics
-from dspark.serving.openai_schemas import ChatCompletionRequest, CompletionRequest
+from dspark.serving.openai_schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeRequest,
+)
 from dspark.serving.request_limits import RequestLimits
 
 
@@ -141,6 +148,42 @@ class OpenAIService:
         async for frame in self._generate("chat", req, [prompt_ids], [params], arrival):
             yield frame
 
+    async def tokenize(self, req: TokenizeRequest) -> JSONReply:
+        """vLLM's /tokenize: the prompt's token ids (a chat's as its completion would see them)."""
+        try:
+            if req.model is not None:
+                self._check_model(req.model)
+            if isinstance(req, TokenizeChatRequest):
+                ids = self._render_chat(
+                    req.messages,
+                    req.add_generation_prompt,
+                    req.chat_template_kwargs,
+                    req.continue_final_message,
+                    req.add_special_tokens,
+                )
+            else:
+                ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        except APIError as e:
+            return _error_reply(e)
+        body: dict[str, Any] = {"count": len(ids), "max_model_len": self.limits.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            body["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
+        return JSONReply(200, body)
+
+    async def detokenize(self, req: DetokenizeRequest) -> JSONReply:
+        """vLLM's /detokenize: token ids back to text, special tokens included."""
+        try:
+            if req.model is not None:
+                self._check_model(req.model)
+            outside = [t for t in req.tokens if t >= self._vocab_size]
+            if outside:
+                raise bad_request(
+                    f"token id {outside[0]} is outside the vocabulary (size {self._vocab_size})", "tokens"
+                )
+        except APIError as e:
+            return _error_reply(e)
+        return JSONReply(200, {"prompt": self.tokenizer.decode(req.tokens)})
+
     # Request validation --------------------------------------------------------------------------
     async def _off_loop(self, work: Callable[[], T]) -> T:
         """Tokenizing and chat templating, on the tokenizer's thread: a huge prompt then delays
@@ -175,18 +218,34 @@ class OpenAIService:
         return ids
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        return self._render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+
+    def _render_chat(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        template_kwargs: dict[str, Any] | None,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        """The conversation through the model's chat template (`template_kwargs` are its extra
+        variables), as token ids."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request(
                 f"the model `{self.model_name}` has no chat template; use /v1/completions", "messages"
             )
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        extra = dict(template_kwargs or {})
+        if continue_final_message:
+            extra["continue_final_message"] = True
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=req.add_generation_prompt
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
             )
         except Exception as e:  # jinja raises template errors for conversations it rejects
-            raise bad_request(f"the chat template rejected these messages: {e}", "messages") from None
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+            param = "chat_template_kwargs" if template_kwargs else "messages"
+            raise bad_request(f"the chat template rejected this request: {e}", param) from None
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         if not ids:
             raise bad_request("the conversation is empty after tokenization", "messages")
         return ids
@@ -244,6 +303,10 @@ class OpenAIService:
                 "completion). Please reduce the prompt or max_tokens.",
                 "max_tokens",
             )
+        if req.min_tokens > max_tokens:
+            raise bad_request(
+                f"min_tokens ({req.min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens"
+            )
         bias = req.token_bias
         outside = [t for t in bias if t >= self._vocab_size]
         if outside:
@@ -266,6 +329,10 @@ class OpenAIService:
                 stop=req.stop or [],
                 stop_token_ids=req.stop_token_ids or [],
                 ignore_eos=req.ignore_eos,
+                min_tokens=req.min_tokens,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                skip_special_tokens=req.skip_special_tokens,
+                spaces_between_special_tokens=req.spaces_between_special_tokens,
                 logprobs=logprobs,
                 max_draft_tokens=req.speculative.cap if req.speculative is not None else None,
                 structured=req.constraint(),
@@ -461,6 +528,8 @@ class _Renderer:
         self.prompt_tokens = sum(prompt_lens)
         self.created = created
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        # Every chunk then carries the usage so far (vLLM's continuous_usage_stats), not null.
+        self.continuous_usage = self.include_usage and req.stream_options.continuous_usage_stats
         self.as_ids = req.return_tokens_as_token_ids
         n = req.n
         self.choices = [_Choice(echo=echo[i // n] if echo else "") for i in range(n * len(prompt_lens))]
@@ -594,7 +663,7 @@ class _Renderer:
             "choices": [choice],
         }
         if self.include_usage:
-            chunk["usage"] = None
+            chunk["usage"] = self._usage() if self.continuous_usage else None
         if text or out.finished or lps or choice.get("delta"):
             return [chunk]
         return []
