@@ -111,61 +111,12 @@ class Trainer:
         warm = find_warm_start(cfg.warm_start, spec.kind, target_config) if state is None else None
         embed, head = shared
         low = dtype if dtype != torch.float32 else torch.float32
-
-        def build(warm: WarmStart | None):
-            vocab = None
-            if spec.draft_vocab_size and spec.draft_vocab_size < self.vocab_size:
-                if state is not None:
-                    vocab = state["draft_vocab"]
-                elif warm is not None and warm.draft_vocab is not None:
-                    vocab = warm.draft_vocab
-                else:
-                    vocab = self.response_vocabulary()
-            model = new_drafter(
-                raw,
-                embed.to(low),
-                head.to(low),
-                target_state,
-                spec.init_from_target_layers,
-                vocab,
-                seed=cfg.optim.seed,
-            )
-            return model, vocab
-
-        if (
-            warm is not None
-            and warm.draft_vocab is not None
-            and len(warm.draft_vocab) != spec.draft_vocab_size
-        ):
-            problem = f"{warm.source} drafts over {len(warm.draft_vocab)} tokens, the config {spec.draft_vocab_size}"
-            if warm.required:
-                raise ValueError(f"warm_start: {problem}")
-            log.warning("not warm-starting: %s", problem)
-            warm = None
-        self.model, self.draft_vocab = build(warm)
-        if warm is not None:
-            problem = mismatch(self.model, warm)
-            if problem is None:
-                apply_warm_start(self.model, warm)
-            elif warm.required:
-                raise ValueError(f"warm_start: {problem}")
-            else:  # auto: the shipped drafter has another shape than this config asks for
-                log.warning("not warm-starting: %s", problem)
-                warm = None
-                self.model, self.draft_vocab = build(None)
+        shared_low = (embed.to(low), head.to(low))
+        self.model, self.draft_vocab, warm = self._start_model(raw, shared_low, target_state, state, warm)
         self.warm_start = str(warm.source) if warm is not None else None
         self.model = self.model.to(device)
-        # p^t is the target's own head (never the EAGLE-3 drafter's trained one), over the drafting
-        # vocabulary's rows when there is one (its normaliser is computed once per position).
         self.to_target = self.model.draft_token_ids()
-        target_head = head.to(device=device, dtype=low)
-        if self.to_target is not None:
-            if online is not None:
-                online.norm_head = target_head  # each batch's normalisers come with its features
-            elif any(seq.log_norm is None for seq in sequences):
-                add_log_normalizers(sequences, target_head, device)
-            target_head = target_head[self.to_target]
-        self.target_head = target_head
+        self.target_head = self._target_head(head.to(device=device, dtype=low))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, betas=(0.9, 0.95)
@@ -176,14 +127,93 @@ class Trainer:
         self.elapsed = 0.0
         self.total = total_steps(len(sequences), cfg)
         if state is not None:
-            missing = self.model.load_state_dict(state["model"], strict=False)
-            if missing.unexpected_keys:
-                raise ValueError(f"{self.out_dir / STATE_FILE} does not match this drafter config")
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.step = state["step"]
-            self.tokens_seen = state.get("tokens_seen", 0)
-            self.elapsed = state.get("elapsed_s", 0.0)
-            log.info("resuming %s at step %d", self.out_dir, self.step)
+            self._resume(state)
+
+    def _start_model(
+        self,
+        raw: dict,
+        shared: tuple[torch.Tensor, torch.Tensor],
+        target_state: dict[str, torch.Tensor] | None,
+        state: dict | None,
+        warm: WarmStart | None,
+    ) -> tuple[torch.nn.Module, torch.Tensor | None, WarmStart | None]:
+        """The drafter and its drafting vocabulary, warm-started where the warm start fits (an `auto`
+        one that does not is dropped with a warning, a required one is an error), and the warm
+        start actually used."""
+        spec = self.cfg.drafter
+        if (
+            warm is not None
+            and warm.draft_vocab is not None
+            and len(warm.draft_vocab) != spec.draft_vocab_size
+        ):
+            problem = f"{warm.source} drafts over {len(warm.draft_vocab)} tokens, the config {spec.draft_vocab_size}"
+            if warm.required:
+                raise ValueError(f"warm_start: {problem}")
+            log.warning("not warm-starting: %s", problem)
+            warm = None
+        model, vocab = self._new_model(raw, shared, target_state, state, warm)
+        if warm is None:
+            return model, vocab, None
+        problem = mismatch(model, warm)
+        if problem is None:
+            apply_warm_start(model, warm)
+            return model, vocab, warm
+        if warm.required:
+            raise ValueError(f"warm_start: {problem}")
+        log.warning("not warm-starting: %s", problem)  # auto: the shipped drafter has another shape
+        model, vocab = self._new_model(raw, shared, target_state, state, None)
+        return model, vocab, None
+
+    def _new_model(
+        self,
+        raw: dict,
+        shared: tuple[torch.Tensor, torch.Tensor],
+        target_state: dict[str, torch.Tensor] | None,
+        state: dict | None,
+        warm: WarmStart | None,
+    ) -> tuple[torch.nn.Module, torch.Tensor | None]:
+        """A fresh drafter; its drafting vocabulary comes from the checkpoint being resumed, else the
+        warm start, else this run's responses."""
+        spec = self.cfg.drafter
+        vocab = None
+        if spec.draft_vocab_size and spec.draft_vocab_size < self.vocab_size:
+            if state is not None:
+                vocab = state["draft_vocab"]
+            elif warm is not None and warm.draft_vocab is not None:
+                vocab = warm.draft_vocab
+            else:
+                vocab = self.response_vocabulary()
+        model = new_drafter(
+            raw,
+            shared[0],
+            shared[1],
+            target_state,
+            spec.init_from_target_layers,
+            vocab,
+            seed=self.cfg.optim.seed,
+        )
+        return model, vocab
+
+    def _target_head(self, head: torch.Tensor) -> torch.Tensor:
+        """p^t's head: the target's own (never the EAGLE-3 drafter's trained one), over the drafting
+        vocabulary's rows when there is one (its normaliser is computed once per position)."""
+        if self.to_target is None:
+            return head
+        if self.online is not None:
+            self.online.norm_head = head  # each batch's normalisers come with its features
+        elif any(seq.log_norm is None for seq in self.sequences):
+            add_log_normalizers(self.sequences, head, self.device)
+        return head[self.to_target]
+
+    def _resume(self, state: dict) -> None:
+        missing = self.model.load_state_dict(state["model"], strict=False)
+        if missing.unexpected_keys:
+            raise ValueError(f"{self.out_dir / STATE_FILE} does not match this drafter config")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = state["step"]
+        self.tokens_seen = state.get("tokens_seen", 0)
+        self.elapsed = state.get("elapsed_s", 0.0)
+        log.info("resuming %s at step %d", self.out_dir, self.step)
 
     def response_vocabulary(self) -> torch.Tensor:
         """The `draft_vocab_size` most frequent response tokens of the training data (sorted ids)."""
