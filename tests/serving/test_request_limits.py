@@ -185,3 +185,15 @@ def test_tokenizing_runs_off_the_event_loop():
         assert probe_s < 0.75, f"/health waited {probe_s:.2f} s behind a request's chat template"
     finally:
         r.shutdown()
+
+
+def test_json_nested_deeper_than_the_limit_is_400(client):
+    schema: dict = {"type": "string"}
+    for _ in range(300):  # 300 levels of nesting (a deeper body cannot be pickled to a replica)
+        schema = {"a": schema}
+    body = {
+        **CHAT,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "d", "schema": schema}},
+    }
+    err = error(client.post("/v1/chat/completions", json=body), 400)
+    assert "nested deeper than 256 levels" in err["message"]

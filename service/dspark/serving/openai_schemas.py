@@ -57,23 +57,28 @@ ChatTemplateKwargs = Annotated[
 ]
 
 
-def _not_unicode(data: Any) -> str | None:
-    """The path of the first string (key or value) in decoded JSON that holds a lone surrogate:
-    JSON may escape one (`"\\ud800"`), but no tokenizer or grammar takes it. Iterative, so that
-    any depth the JSON parser took is walked."""
-    pending: list[tuple[str, Any]] = [("", data)]
+MAX_JSON_DEPTH = 256  # nesting levels of a request body: a deeper one cannot be pickled to a replica
+
+
+def _json_problem(data: Any) -> str | None:
+    """What is wrong with decoded JSON, naming where: a string (key or value) that holds a lone
+    surrogate (JSON may escape one, `"\\ud800"`, but no tokenizer or grammar takes it), or nesting
+    deeper than MAX_JSON_DEPTH. Iterative, so that any depth the JSON parser took is walked."""
+    pending: list[tuple[str, Any, int]] = [("", data, 0)]
     while pending:
-        where, value = pending.pop()
+        where, value, depth = pending.pop()
         if isinstance(value, str):
             if not value.isascii() and not _is_utf8(value):
-                return where or "body"
+                return f"{where or 'body'}: a lone surrogate (\\ud800-\\udfff) is not Unicode text"
+        elif depth > MAX_JSON_DEPTH:
+            return f"{where}: nested deeper than {MAX_JSON_DEPTH} levels"
         elif isinstance(value, dict | list):
             items = value.items() if isinstance(value, dict) else enumerate(value)
             for key, item in items:
                 if isinstance(key, str) and not key.isascii() and not _is_utf8(key):
-                    return f"{where}.{key}" if where else key
+                    return f"{f'{where}.{key}' if where else key}: a lone surrogate is not Unicode text"
                 if isinstance(item, str | dict | list):  # numbers (token ids) need no path
-                    pending.append((f"{where}.{key}" if where else str(key), item))
+                    pending.append((f"{where}.{key}" if where else str(key), item, depth + 1))
     return None
 
 
@@ -265,9 +270,8 @@ class _SamplingFields(_Strict):
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            if (where := _not_unicode(data)) is not None:
-                where = where.encode("utf-8", "backslashreplace").decode()  # a key may hold it
-                raise ValueError(f"{where}: a lone surrogate (\\ud800-\\udfff) is not Unicode text")
+            if (problem := _json_problem(data)) is not None:
+                raise ValueError(problem.encode("utf-8", "backslashreplace").decode())  # a key may hold one
             for name in cls.unsupported_fields():
                 if data.get(name) not in (None, []):
                     raise ValueError(f"{name}: {_UNSUPPORTED[name]}")
