@@ -200,3 +200,23 @@ def test_the_kserve_front_ends_health_follows_the_engine_replica(monkeypatch):
     with TestClient(app) as client:
         r = client.get("/health")
     assert r.status_code == 503 and "killed by signal 9" in r.json()["reason"]
+
+
+def test_ray_leaves_a_replica_alone_during_its_last_restart_and_replaces_it_after():
+    slow_build = functools.partial(fake_engine_factory, build_s=3.0)
+    replica = EngineReplica(ServeConfig(max_engine_restarts=1), factory=slow_build)
+    try:
+        first = replica.loop.pid
+        os.kill(first, signal.SIGKILL)
+        wait_for(lambda: replica.restarts == 1, 10)
+        assert replica.problem() is not None  # down while the new engine builds
+        replica.check_health()  # ... but the replica recovers by itself: Ray must not replace it
+        wait_for(lambda: replica.problem() is None, 60)
+        replica.check_health()
+        os.kill(replica.loop.pid, signal.SIGKILL)  # no restart left: now Ray's turn
+        wait_for(lambda: not replica.loop.alive, 10)
+        with pytest.raises(RuntimeError, match="killed by signal 9"):
+            replica.check_health()
+        assert replica.restarts == 1
+    finally:
+        replica.shutdown()

@@ -63,6 +63,8 @@ class EngineReplica:
         self._factory = factory or load_engine
         self._closing = threading.Event()
         self.restarts = 0
+        self._restarting = False
+        self._swap = threading.Lock()  # a restart's new engine against a shutdown
         self._unrecoverable: str | None = None  # why the replica cannot bring its engine back
         if engine is None and not config.engine_in_thread:
             self.loop = process = EngineProcess(self._factory, config)
@@ -117,7 +119,7 @@ class EngineReplica:
             return self._unrecoverable
         if not self.loop.alive:
             why = self.loop.fatal_error or "the engine stopped"
-            return f"{why}; restarting the engine" if self._restartable() else why
+            return f"{why}; restarting the engine" if self._recovers_itself() else why
         stalled = self.loop.stalled_s()
         if stalled > self.config.engine_stall_timeout_s:
             return f"engine hung: no progress for {stalled:.0f} s with requests open"
@@ -127,14 +129,15 @@ class EngineReplica:
         """Ray Serve's health check: raise when the replica needs replacing, that is when its engine
         is dead or hung and the replica will not restart it itself."""
         problem = self.problem()
-        if problem is not None and (self._unrecoverable is not None or not self._restartable()):
+        if problem is not None and not self._recovers_itself():
             raise RuntimeError(problem)
 
-    def _restartable(self) -> bool:
+    def _recovers_itself(self) -> bool:
+        """Whether the replica brings its engine back itself: restarting it now, or it may still."""
         return (
             isinstance(self.loop, EngineProcess)
-            and self.restarts < self.config.max_engine_restarts
             and self._unrecoverable is None
+            and (self._restarting or self.restarts < self.config.max_engine_restarts)
         )
 
     # Watchdog thread -----------------------------------------------------------------------------
@@ -147,8 +150,13 @@ class EngineReplica:
             if loop.alive and stalled > self.config.engine_stall_timeout_s:
                 log.error("engine made no progress for %.0f s with requests open: killing it", stalled)
                 loop.kill(f"engine hung: no progress for {stalled:.0f} s with requests open")
-            if not loop.alive and not self._closing.is_set() and self._restartable():
-                self._restart(loop)
+            restarts_left = self.restarts < self.config.max_engine_restarts
+            if not loop.alive and not self._closing.is_set() and restarts_left:
+                self._restarting = True
+                try:
+                    self._restart(loop)
+                finally:
+                    self._restarting = False
 
     def _restart(self, dead: EngineProcess) -> None:
         """Replace a dead engine process by a new one (its callers got their errors already)."""
@@ -166,12 +174,13 @@ class EngineReplica:
             log.exception("engine restart failed")
             self._unrecoverable = f"engine restart failed: {e}"
             return
-        if self._closing.is_set():  # shut down meanwhile
-            fresh.stop(drain_timeout_s=0)
-            return
-        fresh.start()
-        self.loop = self.client.engine_loop = fresh
-        log.info("engine process restarted")
+        with self._swap:
+            if not self._closing.is_set():
+                fresh.start()
+                self.loop = self.client.engine_loop = fresh
+                log.info("engine process restarted")
+                return
+        fresh.stop(drain_timeout_s=0)  # the replica shut down meanwhile
 
     async def metrics_text(self) -> bytes:
         return self.metrics.render()
@@ -180,7 +189,8 @@ class EngineReplica:
         return self.service.models_body()
 
     def shutdown(self) -> None:
-        self._closing.set()
+        with self._swap:
+            self._closing.set()
         self.loop.stop(self.config.graceful_shutdown_timeout_s)
 
     async def openai(
