@@ -10,6 +10,7 @@ from dspark.drafters.ngram import NoDrafter
 from dspark.engine.prefix_cache import BLOCK_SIZE, PrefixCache
 from dspark.engine.request import Request
 from dspark.engine.sampling_params import SamplingParams
+from dspark.models.kv_cache import KVCache
 
 from tests.engine.helpers import ScriptedDrafter, engine_on
 from tests.engine.test_engine_lossless import TINY_VOCAB, analytic_marginals, tiny8  # noqa: F401
@@ -31,21 +32,34 @@ def _run(engine, prompt: list[int], params: SamplingParams = GREEDY) -> Request:
     return request
 
 
+class _Limited(NoDrafter):
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+
+    def context_limit(self, slot: int) -> int | None:
+        return self.limit
+
+
+def _index(limit: int | None = None) -> PrefixCache:
+    kv = KVCache(1, 4, 64, 1, 2, torch.float32, torch.device("cpu"))
+    return PrefixCache(kv, _Limited(limit))
+
+
 def test_index_finds_the_longest_whole_block_prefix():
-    cache = PrefixCache(lambda slot: None)
+    cache = _index()
     held = Request("a", list(range(40)), GREEDY, slot=3, num_cached=40)
     cache.update(held)
-    hit = cache.lookup(list(range(40)) + [7], is_free=lambda s: True)
-    assert hit is not None and (hit.slot, hit.length) == (3, 32)  # whole blocks only
+    hit = cache.lookup(list(range(40)) + [7])
+    assert hit is not None and (hit.holder, hit.length) == (3, 32)  # whole blocks only
     # The last prompt token is always left to compute: 32 tokens match, but only 16 may be reused.
-    assert cache.lookup(list(range(32)), is_free=lambda s: True).length == 16
-    assert cache.lookup([1] + list(range(1, 40)), is_free=lambda s: True) is None
+    assert cache.lookup(list(range(32))).length == 16
+    assert cache.lookup([1] + list(range(1, 40))) is None
     cache.truncate(3, 16)
-    assert cache.lookup(list(range(40)), is_free=lambda s: True).length == 16
+    assert cache.lookup(list(range(40))).length == 16
     # A drafter holding less context of the slot caps the hit.
-    limited = PrefixCache(lambda slot: 20)
+    limited = _index(limit=20)
     limited.update(held)
-    assert limited.lookup(list(range(40)), is_free=lambda s: True).length == 16
+    assert limited.lookup(list(range(40))).length == 16
 
 
 @pytest.fixture(scope="module")
@@ -96,15 +110,19 @@ def test_prefix_copied_from_a_running_request_and_its_slot_reused_midway(tiny):
         assert request.output_token_ids == _run(plain, prompt, request.params).output_token_ids
 
 
-def test_evicted_prefix_is_not_reused(tiny):
-    cached = engine_on(tiny, NoDrafter(), "none", max_num_seqs=2)
+@pytest.mark.parametrize("store_gib", [0.0, 0.01])
+def test_prefix_pushed_out_of_the_slots_lives_on_in_the_store(tiny, store_gib):
+    cached = engine_on(tiny, NoDrafter(), "none", max_num_seqs=2, prefix_cache_gib=store_gib)
     prompt = _prompt(3, 40)
     first = _run(cached, prompt)
     # Two other requests take both slots: the least recently used one (holding `prompt`) last.
     _run(cached, _prompt(4, 20))
     cached.generate([_prompt(5, 20), _prompt(6, 20)], GREEDY)
     again = _run(cached, prompt)
-    assert again.stats.cached_tokens == 0
+    if store_gib:  # the whole prompt was stored, and comes back from the store
+        assert again.stats.cached_tokens == 32 and again.prefix_source[0] == ("stored", 0)
+    else:
+        assert again.stats.cached_tokens == 0
     assert again.output_token_ids == first.output_token_ids
 
 

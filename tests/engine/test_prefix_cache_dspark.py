@@ -106,6 +106,29 @@ def test_drafter_tau_on_cache_hits_matches_misses(setup, tau_setup):
     assert abs(hit - miss) <= 0.05 * miss, f"tau on hits {hit:.3f}, on misses {miss:.3f}"
 
 
+def test_drafter_tau_on_prefix_store_hits_matches_misses(setup, tau_setup):
+    """Each prompt's second run finds it in the prefix store (four other prompts took every slot in
+    between): the drafter context kept with the stored prefix drafts as well as a fresh one."""
+    plain, drafter, _ = setup
+    prompts, miss = tau_setup
+    cached = sibling_engine(plain, drafter.fresh_copy(), build_policy("full"), prefix_caching=True)
+    fillers = [[t + 7] * 3 for t in range(cached.config.max_num_seqs)]
+    hit = []
+    for prompt in prompts:
+        cached.generate([prompt], TAU_PARAMS)
+        cached.generate(fillers, SamplingParams(temperature=0.0, max_tokens=1))
+        request = cached.requests[cached.add_request(prompt, TAU_PARAMS)]
+        while cached.has_unfinished_requests():
+            cached.step()
+        hit.append(request)
+        assert request.prefix_source[0][0] == "stored"
+        assert request.stats.cached_tokens == (len(prompt) - 1) // 16 * 16
+    assert [r.output_token_ids for r in hit] == [r.token_ids for r in miss]
+    tau_hit = 1 + sum(r.stats.accepted_tokens for r in hit) / sum(r.stats.rounds for r in hit)
+    tau_miss = _tau(miss)
+    assert abs(tau_hit - tau_miss) <= 0.05 * tau_miss, f"tau on hits {tau_hit:.3f}, on misses {tau_miss:.3f}"
+
+
 def test_empty_drafter_context_on_hits_would_fail(setup, tau_setup, monkeypatch):
     """The check above catches the #47930 failure: hit tokens counted, their context never written
     (left as zeros)."""

@@ -268,6 +268,22 @@ def test_metrics_names_and_spec_decode_counters_add_up(server):
     assert m[("vllm:generation_tokens_total", ())] > 0 and m[("vllm:num_requests_running", ())] == 0
 
 
+def test_a_chat_turn_reports_the_prefix_it_reused(client, server):
+    """The second turn resends the first: usage says how much of it came from the prefix cache, as
+    much as /metrics counted."""
+    chat = [{"role": "user", "content": "List ten colours of the rainbow and of the sea, one per line."}]
+    first = client.chat.completions.create(model=server.model, messages=chat, max_tokens=8, temperature=0)
+    chat += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "Now the first three again."},
+    ]
+    before = metrics(server).get(("vllm:prefix_cache_hits_total", ()), 0.0)
+    second = client.chat.completions.create(model=server.model, messages=chat, max_tokens=8, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.prompt_tokens // 16 * 16 and cached % 16 == 0
+    assert metrics(server)[("vllm:prefix_cache_hits_total", ())] - before == cached
+
+
 @pytest.mark.parametrize("server", ["kserve"], indirect=True)
 def test_kserve_v2_round_trip(server):
     assert httpx.get(server.base + "/v2/health/live", timeout=10).status_code == 200

@@ -47,6 +47,13 @@ def engine_options(command: Callable) -> Callable:
             help="Reuse the KV of cached prompt prefixes.",
         ),
         click.option(
+            "--prefix-cache-gib",
+            type=float,
+            default=_DEFAULTS.prefix_cache_gib,
+            show_default=True,
+            help="Memory beside the KV slots that keeps finished requests' cached prefixes (LRU).",
+        ),
+        click.option(
             "--compile/--no-compile",
             default=None,
             help="Run the target's forward as inductor graphs on the CPU [default: on for the CPU "

@@ -10,7 +10,7 @@ import torch
 
 from dspark.drafters.context_store import ContextStore
 from dspark.drafters.feature_batch import CommittedChunk, PendingCommits, check_in_sync, gather_commit
-from dspark.engine.drafter import Drafter
+from dspark.engine.drafter import Drafter, Holder
 from dspark.engine.request import Request
 
 
@@ -24,7 +24,8 @@ class ContextDrafter(Drafter):
     def __init__(self) -> None:
         self.pending = PendingCommits()
         # slot -> whose context it is: its running request's id, or ("slot", n) for the context a
-        # finished request left there, kept while the prefix cache may reuse the slot's KV.
+        # finished request left there, kept while the prefix cache may reuse the slot's KV. The
+        # context of a stored prefix is kept under its key, ("stored", n).
         self._holder: dict[int, Hashable] = {}
         self._slot_of: dict[str, int] = {}
 
@@ -34,7 +35,7 @@ class ContextDrafter(Drafter):
         if request.prefix_source is not None:
             source, length = request.prefix_source
             self.write_pending()  # the source's context must be stored before it is copied
-            self.store.copy_prefix(self._holder[source], rid, length)
+            self.store.copy_prefix(self._holder[source] if isinstance(source, int) else source, rid, length)
         if request.slot < 0:  # no KV slot (a drafter driven without an engine): nothing to keep
             return
         self._drop_kept(request.slot)  # the slot's old KV is being overwritten
@@ -55,11 +56,19 @@ class ContextDrafter(Drafter):
         holder = self._holder.get(slot)
         return self.store.length.get(holder, 0) if holder is not None else 0
 
-    def _drop_kept(self, slot: int) -> None:
-        key = ("slot", slot)
-        if self._holder.get(slot) == key:
+    def stash(self, slot: int, key: Holder) -> None:
+        if self._holder.get(slot) == ("slot", slot):
+            self.store.rename(("slot", slot), key)  # its queued commits follow the row
+            del self._holder[slot]
+
+    def drop(self, key: Holder) -> None:
+        if key in self.store.length:
             self.pending.release(self.store.rows([key])[0])
             self.store.release(key)
+
+    def _drop_kept(self, slot: int) -> None:
+        if self._holder.get(slot) == ("slot", slot):
+            self.drop(("slot", slot))
             del self._holder[slot]
 
     @torch.inference_mode()

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from dspark.drafters.ngram import MAX_NGRAM, longest_match
-from dspark.engine.drafter import DraftBlock, Drafter
+from dspark.engine.drafter import DraftBlock, Drafter, Holder
 from dspark.engine.request import Request
 from dspark.engine.sampler import SamplingTensors
 from dspark.engine.verify_policy import survival_probabilities
@@ -82,6 +82,12 @@ class LookupFirstDrafter(Drafter):
     def release(self, request: Request) -> None:
         self._open.pop(request.request_id, None)
         self.model.release(request)
+
+    def stash(self, slot: int, key: Holder) -> None:
+        self.model.stash(slot, key)
+
+    def drop(self, key: Holder) -> None:
+        self.model.drop(key)
 
     def commit(self, requests: Sequence[Request], features: Sequence[torch.Tensor | None]) -> None:
         self.model.commit(requests, features)

@@ -54,6 +54,12 @@ class EngineConfig(BaseModel):
     prefix_caching: bool = Field(
         True, description="Reuse the KV (and drafter context) of cached prompt prefixes."
     )
+    prefix_cache_gib: float = Field(
+        2.0,
+        ge=0,
+        description="GiB beside the KV slots (on their device) that keep finished requests' cached "
+        "prefixes once their slots are reused, least recently used evicted first (0: the slots only).",
+    )
     cuda_graphs: bool | None = Field(
         None,
         description="Replay decode and verification steps as CUDA graphs per batch bucket (None: on for "
@@ -125,6 +131,7 @@ SELECTION_FIELDS = (
     "max_model_len",
     "max_batch_tokens",
     "prefix_caching",
+    "prefix_cache_gib",
 )
 
 

@@ -5,11 +5,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import torch
 
 from dspark.engine.request import Request
 from dspark.engine.sampler import SamplingTensors
+
+# Where a cached prefix lives: a KV slot, or ("stored", n), an entry of the engine's prefix store.
+Holder: TypeAlias = int | tuple[str, int]
 
 
 @dataclass
@@ -30,11 +34,11 @@ class Drafter(ABC):
     the target keeps, in order), `propose` before each verification, `release` when it ends.
     Rejected draft tokens never reach `commit`, so drafter context needs no rollback.
 
-    Prefix caching: a request admitted with `prefix_source = (slot, n)` starts with n tokens
-    already cached, copied from that slot; a drafter with per-request context must start it with
-    its own context of those n tokens, from the same slot (its running request or, for a free
-    slot, the context it kept of the slot's last request), and say in `context_limit` how much
-    of a slot's context it holds.
+    Prefix caching: a request admitted with `prefix_source = (holder, n)` starts with n tokens
+    already cached, copied from that holder; a drafter with per-request context must start it with
+    its own context of those n tokens, from the same holder: a slot's running request or, for a
+    free slot, the context it kept of the slot's last request; for a stored entry, the context
+    `stash` moved there. It says in `context_limit` how much of a slot's context it holds.
     """
 
     name: str = "base"
@@ -64,6 +68,13 @@ class Drafter(ABC):
 
     def release(self, request: Request) -> None:  # noqa: B027 - optional hook
         """A request finished or was aborted."""
+
+    def stash(self, slot: int, key: Holder) -> None:  # noqa: B027 - optional hook
+        """The free slot's cached prefix moved to the prefix store as `key`: keep the context kept
+        for the slot under `key` until `drop`, as the source of later hits on it."""
+
+    def drop(self, key: Holder) -> None:  # noqa: B027 - optional hook
+        """The prefix store evicted (or handed back to a slot) the entry `key`."""
 
     def commit(self, requests: Sequence[Request], features: Sequence[torch.Tensor | None]) -> None:  # noqa: B027
         """Features [n_r, len(target_layers) * hidden] of the tokens just cached for each request."""
@@ -101,6 +112,12 @@ class WrappingDrafter(Drafter):
 
     def release(self, request: Request) -> None:
         self.inner.release(request)
+
+    def stash(self, slot: int, key: Holder) -> None:
+        self.inner.stash(slot, key)
+
+    def drop(self, key: Holder) -> None:
+        self.inner.drop(key)
 
     def commit(self, requests: Sequence[Request], features: Sequence[torch.Tensor | None]) -> None:
         self.inner.commit(requests, features)

@@ -17,7 +17,8 @@ from dspark.engine.drafter import Drafter
 from dspark.engine.model_runner import ModelRunner, StepForward
 from dspark.engine.outputs import RequestOutput, RequestStats, StepStats
 from dspark.engine.postprocess import deliver, postprocess
-from dspark.engine.prefix_cache import PrefixCache
+from dspark.engine.prefix_cache import BLOCK_SIZE, PrefixCache
+from dspark.engine.prefix_store import PrefixStore
 from dspark.engine.request import Request
 from dspark.engine.sampling_params import SamplingParams
 from dspark.engine.scheduler import Scheduler, StepPlan
@@ -72,7 +73,10 @@ class LLMEngine:
         per_token = KVCache.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, head_dim(mc), dtype)
         static = config.static_steps(device)
         num_slots = config.max_num_seqs + static  # static steps' padding writes to one more slot
-        check_kv_budget(per_token, num_slots, self.max_model_len, device)
+        store_blocks = 0
+        if config.prefix_caching:
+            store_blocks = PrefixStore.blocks_for(int(config.prefix_cache_gib * 2**30), per_token, BLOCK_SIZE)
+        check_kv_budget(per_token, num_slots, self.max_model_len, device, store_blocks * BLOCK_SIZE)
         self.cache = KVCache(
             mc.num_hidden_layers,
             num_slots,
@@ -97,8 +101,11 @@ class LLMEngine:
             ).start()
         self.runner = ModelRunner(forward, self.cache, device)
         self.static_runner = self._static_runner() if static else None
-        prefix_cache = PrefixCache(drafter.context_limit) if config.prefix_caching else None
-        self.scheduler = Scheduler(self.cache, config.max_batch_tokens, prefix_cache)
+        prefix_cache = None
+        if config.prefix_caching:
+            store = PrefixStore(self.cache, store_blocks, BLOCK_SIZE) if store_blocks else None
+            prefix_cache = PrefixCache(self.cache, drafter, store)
+        self.scheduler = Scheduler(self.cache, config.max_batch_tokens, prefix_cache, drafter.admit)
         self.eos_ids = _eos_ids(model.config, tokenizer)
         self.grammars = GrammarCompiler(tokenizer, model.config.vocab_size, self.eos_ids)
         self.requests: dict[str, Request] = {}
@@ -251,10 +258,7 @@ class LLMEngine:
         return self.policy.max_length(self.drafter.gamma, decoding) if decoding else 0
 
     def _schedule(self, horizon: int) -> StepPlan:
-        plan, admitted = self.scheduler.schedule(tokens_per_decode=1 + horizon)
-        for request in admitted:
-            self.drafter.admit(request)
-        return plan
+        return self.scheduler.schedule(tokens_per_decode=1 + horizon)
 
     def _run(self, plan: StepPlan, draft: drafting.Draft) -> tuple[StepForward, float]:
         started = time.perf_counter()

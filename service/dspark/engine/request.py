@@ -39,9 +39,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     slot: int = -1  # KV cache slot (target and drafter share the index)
     num_cached: int = 0
-    # (slot, length): the prompt's first `length` tokens were reused from that slot's cache at
-    # admission (the drafter copies its own context of them from the same slot).
-    prefix_source: tuple[int, int] | None = None
+    # (holder, length): the prompt's first `length` tokens were reused at admission from that
+    # slot's cache, or ("stored", n) of the prefix store (the drafter copies its own context of
+    # them from the same holder).
+    prefix_source: tuple[int | tuple[str, int], int] | None = None
     generator: torch.Generator | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     text: str = ""  # detokenized output emitted so far

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dspark.engine.prefix_cache import PrefixCache
@@ -26,11 +27,18 @@ class Scheduler:
     """FIFO admission into KV slots; decodes first, then prompt chunks within the token budget."""
 
     def __init__(
-        self, cache: KVCache, max_batch_tokens: int, prefix_cache: PrefixCache | None = None
+        self,
+        cache: KVCache,
+        max_batch_tokens: int,
+        prefix_cache: PrefixCache | None = None,
+        admit: Callable[[Request], None] = lambda request: None,
     ) -> None:
+        """`admit` (the drafter's) is called as each request gets its slot, before the next one is
+        placed: a prefix the request copies may move or go with the next placement."""
         self.cache = cache
         self.max_batch_tokens = max_batch_tokens
         self.prefix_cache = prefix_cache
+        self.admit = admit
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -42,10 +50,9 @@ class Scheduler:
         """Running requests past their prompt: the decodes of the next plan."""
         return sum(not r.in_prefill for r in self.running)
 
-    def schedule(self, tokens_per_decode: int) -> tuple[StepPlan, list[Request]]:
-        """Plan one step, reserving `tokens_per_decode` batch tokens per decode; also return the
-        requests admitted into a slot by this call."""
-        admitted = []
+    def schedule(self, tokens_per_decode: int) -> StepPlan:
+        """Plan one step, reserving `tokens_per_decode` batch tokens per decode; requests admitted
+        into a slot by this call join it."""
         if self.prefix_cache is not None:
             for request in self.running:
                 self.prefix_cache.update(request)
@@ -54,7 +61,6 @@ class Scheduler:
             self._allocate(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            admitted.append(request)
 
         plan = StepPlan(decodes=[r for r in self.running if not r.in_prefill])
         budget = self.max_batch_tokens - len(plan.decodes) * tokens_per_decode
@@ -63,29 +69,15 @@ class Scheduler:
                 chunk = min(budget, len(request.prompt_token_ids) - request.num_cached)
                 plan.prefills.append((request, chunk))
                 budget -= chunk
-        return plan, admitted
+        return plan
 
     def _allocate(self, request: Request) -> None:
-        """Give the request a slot, starting it past the longest cached prefix of its prompt: the
-        free slot that holds it as is, or a copy of it from a running (or another free) slot."""
-        prefix = self.prefix_cache
-        if prefix is None:
+        """Give the request a slot (past the longest cached prefix of its prompt) and admit it."""
+        if self.prefix_cache is None:
             request.slot = self.cache.allocate()
-            return
-        hit = prefix.lookup(request.prompt_token_ids, self.cache.is_free)
-        if hit is not None and self.cache.is_free(hit.slot):
-            request.slot = self.cache.allocate(hit.slot)
-            prefix.truncate(request.slot, hit.length)
+            self.admit(request)
         else:
-            request.slot = self.cache.allocate(prefix.victim(self.cache.free_slots))
-            prefix.truncate(request.slot)
-            if hit is not None:
-                self.cache.copy_prefix(hit.slot, request.slot, hit.length)
-                prefix.copy_index(hit.slot, request.slot, hit.length)
-        prefix.count(len(request.prompt_token_ids), hit.length if hit else 0)
-        if hit is not None:
-            request.num_cached = request.stats.cached_tokens = hit.length
-            request.prefix_source = (hit.slot, hit.length)
+            self.prefix_cache.place(request, self.admit)
 
     def finish(self, request: Request) -> None:
         """Drop a request from the queues and free its slot (idempotent); a prefix cache keeps
@@ -94,7 +86,7 @@ class Scheduler:
             self.running.remove(request)
             if self.prefix_cache is not None:
                 self.prefix_cache.update(request)
-                self.prefix_cache.freed(request.slot)
+                self.prefix_cache.freed(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         self.cache.free(request.slot)

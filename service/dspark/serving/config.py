@@ -69,6 +69,9 @@ class ServeConfig(BaseModel):
     max_model_len: int | None = Field(None, ge=16)
     max_batch_tokens: int | None = Field(None, ge=1)
     prefix_caching: bool | None = Field(None, description="Reuse the KV of cached prompt prefixes.")
+    prefix_cache_gib: float | None = Field(
+        None, ge=0, description="GiB keeping finished requests' cached prefixes beyond the KV slots."
+    )
     strict_profile: bool | None = Field(None, description="Refuse to start without a matching profile.")
     compile: bool | None = Field(None, description="Run the target's forward as inductor graphs (CPU).")
     cuda_graphs: bool | None = Field(None, description="Replay steps as CUDA graphs (default: on CUDA).")

@@ -526,6 +526,7 @@ class _Renderer:
     ):
         self.kind, self.rid, self.model, self.tok, self.req = kind, rid, model, tokenizer, req
         self.prompt_tokens = sum(prompt_lens)
+        self.num_prompts = len(prompt_lens)
         self.created = created
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         # Every chunk then carries the usage so far (vLLM's continuous_usage_stats), not null.
@@ -537,13 +538,23 @@ class _Renderer:
     def _token(self, token_id: int) -> str:
         return f"token_id:{token_id}" if self.as_ids else self.tok.decode([token_id])
 
-    def _usage(self) -> dict[str, int]:
+    def _usage(self) -> dict[str, Any]:
         completion = sum(c.num_tokens for c in self.choices)
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": self.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": self._cached_tokens()},
         }
+
+    def _cached_tokens(self) -> int:
+        """Prompt tokens reused from the prefix cache, each prompt counted once (as `prompt_tokens`):
+        the most any of its n samples reused."""
+        n = len(self.choices) // self.num_prompts
+        return sum(
+            max((c.stats.cached_tokens for c in self.choices[p * n : (p + 1) * n] if c.stats), default=0)
+            for p in range(self.num_prompts)
+        )
 
     def _spec_stats(self) -> dict[str, Any]:
         """The request's speculation figures, summed over its choices (tau as `RequestStats.tau`)."""
