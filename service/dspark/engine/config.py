@@ -58,7 +58,8 @@ class EngineConfig(BaseModel):
         2.0,
         ge=0,
         description="GiB beside the KV slots (on their device) that keep finished requests' cached "
-        "prefixes once their slots are reused, least recently used evicted first (0: the slots only).",
+        "prefixes once their slots are reused, least recently used evicted first; at most half of the "
+        "memory the slots leave available (0: the slots only).",
     )
     cuda_graphs: bool | None = Field(
         None,

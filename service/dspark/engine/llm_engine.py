@@ -30,7 +30,7 @@ from dspark.engine.verify_policy import VerifyPolicy
 from dspark.models.background_build import BackgroundBuild, wants_kernel
 from dspark.models.compiled_forward import compiled_or_eager
 from dspark.models.config import head_dim
-from dspark.models.kv_cache import KVCache, check_kv_budget
+from dspark.models.kv_cache import KVCache, check_kv_budget, prefix_store_bytes
 from dspark.models.static_batch import batch_buckets, key_buckets
 
 log = logging.getLogger(__name__)
@@ -73,10 +73,12 @@ class LLMEngine:
         per_token = KVCache.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, head_dim(mc), dtype)
         static = config.static_steps(device)
         num_slots = config.max_num_seqs + static  # static steps' padding writes to one more slot
+        check_kv_budget(per_token, num_slots, self.max_model_len, device)
         store_blocks = 0
         if config.prefix_caching:
-            store_blocks = PrefixStore.blocks_for(int(config.prefix_cache_gib * 2**30), per_token, BLOCK_SIZE)
-        check_kv_budget(per_token, num_slots, self.max_model_len, device, store_blocks * BLOCK_SIZE)
+            budget = int(config.prefix_cache_gib * 2**30)
+            budget = prefix_store_bytes(budget, per_token, num_slots, self.max_model_len, device)
+            store_blocks = PrefixStore.blocks_for(budget, per_token, BLOCK_SIZE)
         self.cache = KVCache(
             mc.num_hidden_layers,
             num_slots,

@@ -75,21 +75,26 @@ def available_memory(device: torch.device) -> int:
 
 
 def check_kv_budget(
+    bytes_per_token: int, num_slots: int, max_len: int, device: torch.device, share: float = 0.9
+) -> None:
+    """Refuse, before allocating, a cache that would exhaust memory once it fills."""
+    need, have = bytes_per_token * num_slots * max_len, available_memory(device)
+    if need > share * have:
+        raise ValueError(
+            f"the KV cache for max_num_seqs={num_slots} x max_model_len={max_len} needs {need / 2**30:.1f} GiB, "
+            f"but only {have / 2**30:.1f} GiB is available on {device}; lower max_num_seqs or max_model_len"
+        )
+
+
+def prefix_store_bytes(
+    requested: int,
     bytes_per_token: int,
     num_slots: int,
     max_len: int,
     device: torch.device,
-    stored_tokens: int = 0,
     share: float = 0.9,
-) -> None:
-    """Refuse, before allocating, a cache (and a prefix store of `stored_tokens`) that would exhaust
-    memory once it fills."""
-    slots = bytes_per_token * num_slots * max_len
-    need, have = slots + bytes_per_token * stored_tokens, available_memory(device)
-    if need > share * have:
-        store = f" plus a prefix store of {(need - slots) / 2**30:.1f} GiB" if stored_tokens else ""
-        raise ValueError(
-            f"the KV cache for max_num_seqs={num_slots} x max_model_len={max_len}{store} needs "
-            f"{need / 2**30:.1f} GiB, but only {have / 2**30:.1f} GiB is available on {device}; lower "
-            "max_num_seqs, max_model_len or prefix_cache_gib"
-        )
+) -> int:
+    """Memory for the prefix store: as requested, but at most half of what the KV slots leave of
+    `share` of the device's available memory (a default budget must not stop a smaller machine)."""
+    left = share * available_memory(device) - bytes_per_token * num_slots * max_len
+    return max(0, min(requested, int(left // 2)))
