@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import datetime
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from dspark.models.registry import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from dspark.calibration.rounds import RoundLog
 
 
 @click.command()
@@ -79,10 +84,7 @@ def calibrate(
     it when it loads the drafter), a report (ECE before/after, AUC per position) and reliability.png.
     """
     from dspark.calibration.collect import resolve_drafter_dir
-    from dspark.calibration.plots import plot_reliability
-    from dspark.calibration.report import format_table, write_calibration_report
     from dspark.calibration.rounds import RoundLog
-    from dspark.calibration.sts import evaluate, fit_sts, out_of_fold
     from dspark.drafters.calibration import drafter_id
 
     try:
@@ -109,6 +111,46 @@ def calibrate(
     if not rounds.has_confidences:
         raise click.ClickException(f"{checkpoint} has no confidence head: nothing to calibrate")
 
+    fit = _fit(rounds, folds, offsets)
+    ident = drafter_id(checkpoint)
+    meta = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "checkpoint": str(checkpoint),
+        "target": target,
+        "rounds": len(rounds),
+        "check": f"{folds}-fold cross-validation over requests (out-of-fold a_k)"
+        if fit.held_out is not None
+        else None,
+        "temperature": temperature,  # recorded at, or declared for --rounds: which map this is
+        # How the rounds were recorded; unknown here when they come from a file.
+        "max_tokens": None if rounds_path else max_tokens,
+        "num_prompts": None if rounds_path else num_prompts,
+        "source": str(rounds_path) if rounds_path else "engine",
+    }
+    saved = _write_report(rounds, fit, checkpoint, ident, meta, output_dir)
+    _echo_fit(rounds, fit, folds)
+    if not no_write:
+        _merged(checkpoint, ident, temperature == 0, fit.temperatures, fit.offsets).save(checkpoint)
+        click.echo(
+            f"wrote the {'greedy' if temperature == 0 else 'sampled'} map to {checkpoint / 'calibration.json'}"
+        )
+    click.echo(f"saved {saved[0]} and {saved[1]}")
+
+
+@dataclass
+class _Fit:
+    """The map fitted on all rounds, its report, and the out-of-fold check when there is one."""
+
+    temperatures: list[float]
+    offsets: list[float] | None
+    fit_report: list
+    held_out: Any  # out-of-fold calibrated a_k, or None
+    check_report: list | None
+
+
+def _fit(rounds: RoundLog, folds: int, offsets: bool) -> _Fit:
+    from dspark.calibration.sts import evaluate, fit_sts, out_of_fold
+
     try:
         temperatures, fit_report = fit_sts(rounds, offsets=offsets)
     except ValueError as e:
@@ -122,46 +164,41 @@ def calibrate(
     check_report = (
         None if held_out is None else evaluate(rounds, temperatures, offsets=biases, calibrated=held_out)
     )
-    ident = drafter_id(checkpoint)
-    meta = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "checkpoint": str(checkpoint),
-        "target": target,
-        "rounds": len(rounds),
-        "check": f"{folds}-fold cross-validation over requests (out-of-fold a_k)"
-        if held_out is not None
-        else None,
-        "temperature": temperature,  # recorded at, or declared for --rounds: which map this is
-        # How the rounds were recorded; unknown here when they come from a file.
-        "max_tokens": None if rounds_path else max_tokens,
-        "num_prompts": None if rounds_path else num_prompts,
-        "source": str(rounds_path) if rounds_path else "engine",
-    }
+    return _Fit(temperatures, biases, fit_report, held_out, check_report)
+
+
+def _write_report(
+    rounds: RoundLog, fit: _Fit, checkpoint: Path, ident: str, meta: dict, output_dir: Path
+) -> tuple[Path, Path]:
+    """calibration-report.json and reliability.png under `output_dir`."""
+    from dspark.calibration.plots import plot_reliability
+    from dspark.calibration.report import write_calibration_report
+
     report = write_calibration_report(
-        output_dir / "calibration-report.json", ident, fit_report, check_report, meta
+        output_dir / "calibration-report.json", ident, fit.fit_report, fit.check_report, meta
     )
     plot = plot_reliability(
         rounds,
-        temperatures,
+        fit.temperatures,
         output_dir / "reliability.png",
-        title=f"{checkpoint.name}: cumulative survival, {'out-of-fold' if held_out is not None else 'fit'} a_k",
-        offsets=biases,
-        calibrated=held_out,
+        title=f"{checkpoint.name}: cumulative survival, {'out-of-fold' if fit.held_out is not None else 'fit'} a_k",
+        offsets=fit.offsets,
+        calibrated=fit.held_out,
     )
+    return report, plot
+
+
+def _echo_fit(rounds: RoundLog, fit: _Fit, folds: int) -> None:
+    from dspark.calibration.report import format_table
+
     click.echo(f"fit on {len(rounds)} rounds:")
-    click.echo(format_table(fit_report))
-    if check_report is not None:
+    click.echo(format_table(fit.fit_report))
+    if fit.check_report is not None:
         click.echo(f"held out ({folds}-fold cross-validation over requests):")
-        click.echo(format_table(check_report))
-    worst = [r.position for r in check_report or fit_report if r.ece_after > 0.02]
+        click.echo(format_table(fit.check_report))
+    worst = [r.position for r in fit.check_report or fit.fit_report if r.ece_after > 0.02]
     if worst:
         click.echo(f"warning: ECE after calibration is above 2% at positions {worst}; record more rounds")
-    if not no_write:
-        _merged(checkpoint, ident, temperature == 0, temperatures, biases).save(checkpoint)
-        click.echo(
-            f"wrote the {'greedy' if temperature == 0 else 'sampled'} map to {checkpoint / 'calibration.json'}"
-        )
-    click.echo(f"saved {report} and {plot}")
 
 
 def _record(
