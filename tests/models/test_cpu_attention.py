@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import time
 
 import pytest
 import torch
@@ -126,3 +128,16 @@ def test_a_failed_build_falls_back_with_a_warning(monkeypatch, caplog):
     finally:
         cpu_attention._build.cache_clear()
         cpu_attention.short_attention_kernel.cache_clear()
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
+    from dspark.models.cpu_attention import STALE_LOCK_S, _clear_stale_lock
+
+    stale, fresh = tmp_path / "stale", tmp_path / "fresh"
+    stale.touch(), fresh.touch()
+    old = time.time() - STALE_LOCK_S - 60
+    os.utime(stale, (old, old))
+    _clear_stale_lock(stale)
+    _clear_stale_lock(fresh)
+    _clear_stale_lock(tmp_path / "absent")
+    assert not stale.exists() and fresh.exists()

@@ -56,15 +56,33 @@ class Built:
     head_dims: frozenset[int]
 
 
+# A build takes 25-90 s on two cores; a lock older than this was left by a process killed mid-build.
+STALE_LOCK_S = 15 * 60
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    """Remove a build lock nobody will release: torch's extension builder waits on it forever, and
+    every later start on the machine would hang (or stay on SDPA) behind a build killed long ago."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("removing a stale build lock, %.0f min old: %s", age / 60, lock)
+        lock.unlink(missing_ok=True)
+
+
 @functools.cache
 def _build() -> Built | None:
     from torch.utils import cpp_extension
 
     started = time.perf_counter()
     isa, flags = _build_flags()
+    name = f"dspark_short_attention_{isa}"
     try:
+        _clear_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock")
         module = cpp_extension.load(
-            name=f"dspark_short_attention_{isa}",
+            name=name,
             sources=[str(SOURCE)],
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"],

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import psutil
 import torch
 
@@ -26,8 +29,8 @@ class KVCache:
         device: torch.device,
     ) -> None:
         shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = lazy_zeros(shape, dtype, device)
+        self.v = lazy_zeros(shape, dtype, device)
         self.max_len = max_len
         self._free = list(range(num_slots - 1, -1, -1))
 
@@ -63,6 +66,17 @@ class KVCache:
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros; on the CPU in anonymous memory, which the OS backs page by page as it is written, so
+    a cache sized for max_num_seqs x max_model_len holds only what requests have written (torch.zeros
+    would write, and so commit, every page at once)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    pages = mmap.mmap(-1, max(1, count * dtype.itemsize))
+    return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)
 
 
 def available_memory(device: torch.device) -> int:
