@@ -49,3 +49,13 @@ def replica(request):
 def client(replica) -> TestClient:
     with make_client(replica) as c:
         yield c
+
+
+@pytest.fixture
+def fake():
+    """A fake engine (8 slots) and a client of the OpenAI app over it, the engine on a thread."""
+    engine = FakeEngine(max_num_seqs=8)
+    replica = make_replica(engine, max_output_tokens=64)
+    with make_client(replica) as c:
+        yield engine, c
+    replica.shutdown()

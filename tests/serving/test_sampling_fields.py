@@ -16,22 +16,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import write_tiny_model
 from tests.engine.helpers import engine_on
 from tests.serving.conftest import make_client, make_replica
-from tests.serving.fake_engine import CharTokenizer, FakeEngine
+from tests.serving.fake_engine import CharTokenizer
 
 TOK = CharTokenizer()
 
 
 def oai(client) -> openai.OpenAI:
     return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client, max_retries=0)
-
-
-@pytest.fixture
-def fake():
-    engine = FakeEngine(max_num_seqs=8)
-    replica = make_replica(engine, max_output_tokens=64)
-    with make_client(replica) as c:
-        yield engine, c
-    replica.shutdown()
 
 
 def test_sampling_fields_reach_the_engine(fake):
