@@ -28,6 +28,9 @@ class ContextDrafter(Drafter):
         # context of a stored prefix is kept under its key, ("stored", n).
         self._holder: dict[int, Hashable] = {}
         self._slot_of: dict[str, int] = {}
+        # slot -> the key its kept context was just stashed under: a request that takes the slot
+        # over (keeping part of its KV) is admitted right after, and copies its context from there.
+        self._stashed: dict[int, Hashable] = {}
 
     def admit(self, request: Request) -> None:
         rid = request.request_id
@@ -35,7 +38,10 @@ class ContextDrafter(Drafter):
         if request.prefix_source is not None:
             source, length = request.prefix_source
             self.write_pending()  # the source's context must be stored before it is copied
-            self.store.copy_prefix(self._holder[source] if isinstance(source, int) else source, rid, length)
+            if isinstance(source, int):
+                source = self._holder.get(source) or self._stashed[source]
+            self.store.copy_prefix(source, rid, length)
+        self._stashed.clear()
         if request.slot < 0:  # no KV slot (a drafter driven without an engine): nothing to keep
             return
         self._drop_kept(request.slot)  # the slot's old KV is being overwritten
@@ -60,6 +66,7 @@ class ContextDrafter(Drafter):
         if self._holder.get(slot) == ("slot", slot):
             self.store.rename(("slot", slot), key)  # its queued commits follow the row
             del self._holder[slot]
+            self._stashed[slot] = key
 
     def drop(self, key: Holder) -> None:
         if key in self.store.length:
