@@ -110,5 +110,8 @@ def test_a_frozen_forward_runs_a_shape_it_never_compiled_eagerly(tiny_dir, compi
     got = compiled(tokens, batch, cache, hidden_layers=(0, 1))
     assert counters["stats"]["unique_graphs"] == graphs
     want = model(tokens, batch, cache, (0, 1))
-    torch.testing.assert_close(got.logits, want.logits)
-    torch.testing.assert_close(got.layer_hidden, want.layer_hidden)
+    # Attention may take another path than the eager model's (the short-row kernel takes head dim 8
+    # where it is built for 256-bit vectors): equal within fp32 rounding, as the compiled forward.
+    close = dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got.logits, want.logits, **close)
+    torch.testing.assert_close(got.layer_hidden, want.layer_hidden, **close)
