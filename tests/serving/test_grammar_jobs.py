@@ -21,6 +21,7 @@ from dspark.serving.metrics import ServingMetrics
 
 from tests.serving.fake_engine import FakeEngine
 from tests.serving.test_engine_loop import GREEDY, reference
+from tests.serving.test_engine_process import collect
 
 STRUCTURED = SamplingParams(
     max_tokens=5, temperature=0, structured=StructuredOutput(kind="regex", value="[a-z]+")
@@ -74,15 +75,6 @@ def backend(request, tmp_path):
     yield b, gate
     gate.touch()
     b.stop(drain_timeout_s=2)
-
-
-async def collect(client: AsyncEngineClient, prompt: list[int], params: SamplingParams):
-    ids, last = [], None
-    async with client.open(prompt, params) as stream:
-        async for out in stream:
-            ids += out.new_token_ids
-            last = out
-    return ids, last
 
 
 def test_the_batch_steps_while_a_grammar_compiles(backend):
