@@ -75,6 +75,10 @@ async def main(args: argparse.Namespace) -> None:
         times: list[list[float]] = [[] for _ in range(args.streams)]
         tasks = [asyncio.create_task(stream(client, body, t)) for t in times]
         while min(len(t) for t in times) < 2:  # every stream past its first token
+            for t in tasks:
+                if t.done():
+                    t.result()  # raises the HTTP error of a stream the server refused
+                    raise SystemExit("a stream ended before its second token")
             await asyncio.sleep(0.05)
         await asyncio.sleep(args.before_s)
         schema = big_schema(args.schema_mb)

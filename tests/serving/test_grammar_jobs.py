@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import threading
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 from dspark.engine.sampling_params import SamplingParams, StructuredOutput
 from dspark.serving.engine_loop import AsyncEngineClient, EngineLoop
 from dspark.serving.engine_process import EngineProcess
+from dspark.serving.grammar_jobs import COMPILE_NICE, GrammarJobs
 from dspark.serving.metrics import ServingMetrics
 
 from tests.serving.fake_engine import FakeEngine
@@ -134,3 +136,25 @@ def test_a_request_that_leaves_while_its_grammar_compiles_is_forgotten(backend):
     if isinstance(engine, EngineLoop):
         time.sleep(0.3)
         assert engine.engine.grammars_received == []  # compiled, but never admitted
+
+
+def test_grammars_compile_at_the_lowest_cpu_priority():
+    """A compile takes only the cores the steps leave: its thread runs at nice 10."""
+    done = threading.Event()
+
+    class Recorder:
+        nice: int | None = None
+
+        def compile_grammar(self, params):
+            Recorder.nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            return "grammar"
+
+    jobs = GrammarJobs(Recorder(), wake=done.set)
+    try:
+        jobs.submit("r1", "item", STRUCTURED)
+        assert done.wait(5)
+        assert jobs.take_done() == [("item", "grammar", None)]
+        assert Recorder.nice == COMPILE_NICE == 10
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < COMPILE_NICE
+    finally:
+        jobs.shutdown()
