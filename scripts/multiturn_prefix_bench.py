@@ -79,14 +79,22 @@ def chat_turn(client: httpx.Client, base: str, model: str, messages: list[dict],
     return {"text": "".join(text), "ttft": ttft, "usage": usage}
 
 
-def prefix_counters(client: httpx.Client, base: str) -> tuple[float, float]:
-    queries = hits = 0.0
+COUNTERS = {
+    "vllm:prefix_cache_queries_total": "queries",
+    "vllm:prefix_cache_hits_total": "hits",
+    "vllm:spec_decode_num_draft_tokens_total": "drafts",
+    "vllm:spec_decode_num_accepted_tokens_total": "accepted",
+}
+
+
+def read_counters(client: httpx.Client, base: str) -> dict[str, float]:
+    """The prefix-cache and draft counters of /metrics, summed over their labels."""
+    totals = dict.fromkeys(COUNTERS.values(), 0.0)
     for line in client.get(f"{base}/metrics").text.splitlines():
-        if line.startswith("vllm:prefix_cache_queries_total"):
-            queries += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("vllm:prefix_cache_hits_total"):
-            hits += float(line.rsplit(" ", 1)[1])
-    return queries, hits
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in COUNTERS:
+            totals[COUNTERS[name]] += float(line.rsplit(" ", 1)[1])
+    return totals
 
 
 def http_sender(client: httpx.Client, base: str, max_tokens: int) -> Callable[[list[dict]], dict]:
@@ -125,7 +133,13 @@ def engine_sender(engine_flags: str, max_tokens: int) -> Callable[[list[dict]], 
     return send
 
 
-def run(send: Callable[[list[dict]], dict], args: argparse.Namespace) -> dict:
+def run(
+    send: Callable[[list[dict]], dict],
+    args: argparse.Namespace,
+    counters: Callable[[], dict[str, float]] | None = None,
+) -> dict:
+    """The workload through `send`; with `counters` (a /metrics reader), each turn's draft
+    acceptance too: turn 1 drafts on misses, later turns on hits when prefix caching is on."""
     rng = random.Random(args.seed)
     chats = [
         [
@@ -137,6 +151,7 @@ def run(send: Callable[[list[dict]], dict], args: argparse.Namespace) -> dict:
     turns, answers = [], []
     for turn in range(args.turns):
         results = []
+        start = counters() if counters else None
         for chat in chats:
             result = send(chat)
             results.append(result)
@@ -146,8 +161,11 @@ def run(send: Callable[[list[dict]], dict], args: argparse.Namespace) -> dict:
         ttfts = [r["ttft"] for r in results if r["ttft"] is not None]
         prompt = sum(r["usage"].get("prompt_tokens", 0) for r in results)
         cached = sum(r["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) for r in results)
+        end = counters() if counters else None
+        drafts = end["drafts"] - start["drafts"] if counters else 0.0
         turns.append(
             {
+                "acceptance": (end["accepted"] - start["accepted"]) / drafts if drafts else None,
                 "turn": turn + 1,
                 "ttft_mean_s": statistics.mean(ttfts) if ttfts else None,
                 "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
@@ -182,14 +200,16 @@ def run_http(args: argparse.Namespace) -> dict:
             process = serve(args)
             wait_until_serving(base, 900, alive=lambda: process.poll() is None)
         with httpx.Client(timeout=600, trust_env=False) as client:
-            before = prefix_counters(client, base)
-            report = run(http_sender(client, base, args.max_tokens), args)
-            after = prefix_counters(client, base)
+            before = read_counters(client, base)
+            report = run(
+                http_sender(client, base, args.max_tokens), args, lambda: read_counters(client, base)
+            )
+            after = read_counters(client, base)
     finally:
         if process is not None:
             os.killpg(process.pid, signal.SIGTERM)
             process.wait(timeout=120)
-    queries, hits = after[0] - before[0], after[1] - before[1]
+    queries, hits = after["queries"] - before["queries"], after["hits"] - before["hits"]
     report["hit_rate_metrics"] = hits / queries if queries else 0.0
     return report
 
@@ -222,9 +242,10 @@ def main() -> None:
         report = run_http(args)
     for t in report["turns"]:
         share = t["cached_tokens"] / t["prompt_tokens"] if t["prompt_tokens"] else 0.0
+        acceptance = f"  draft acceptance {t['acceptance']:.3f}" if t.get("acceptance") is not None else ""
         print(
             f"turn {t['turn']}: TTFT mean {t['ttft_mean_s']:.3f} s  p50 {t['ttft_p50_s']:.3f} s  "
-            f"cached {t['cached_tokens']}/{t['prompt_tokens']} prompt tokens ({share:.2f})"
+            f"cached {t['cached_tokens']}/{t['prompt_tokens']} prompt tokens ({share:.2f}){acceptance}"
         )
     from_metrics = report.get("hit_rate_metrics")
     print(
