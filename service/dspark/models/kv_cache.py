@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 import mmap
 
-import psutil
 import torch
+
+from dspark.models import host_limits
 
 
 class KVCache:
@@ -83,9 +84,7 @@ def available_memory(device: torch.device) -> int:
     """Bytes the KV cache may still take on `device`."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    # `available` counts the page cache the kernel will reclaim; free pages alone can be a small
-    # fraction of what is usable once a few GB of weights have been read.
-    return psutil.virtual_memory().available
+    return host_limits.available_memory()
 
 
 def check_kv_budget(

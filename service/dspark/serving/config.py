@@ -238,7 +238,9 @@ class ServeConfig(BaseModel):
     def replica_cpus(self) -> float:
         if self.num_cpus_per_replica is not None:
             return self.num_cpus_per_replica
-        return float(max(1, (os.cpu_count() or 1) // self.max_replicas))
+        from dspark.models.host_limits import usable_cpus
+
+        return float(max(1, usable_cpus() // self.max_replicas))
 
     def thread_plan(self) -> ThreadPlan:
         """Intra-op threads of the engine's steps; an explicit `engine_threads` is used for every step.

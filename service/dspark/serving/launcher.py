@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 
+from dspark.models.host_limits import usable_cpus
 from dspark.serving.config import ServeConfig
 from dspark.serving.runtime import (
     STARTED_AT_ENV,
@@ -55,7 +56,7 @@ def serve_forever(config: ServeConfig, announce=print) -> None:
     check_port_free(config.host, config.port)
     prepare_model(config)
     stage("model ready; starting Ray")
-    cpus = max(os.cpu_count() or 1, math.ceil(config.replica_cpus() * config.max_replicas))
+    cpus = max(usable_cpus(), math.ceil(config.replica_cpus() * config.max_replicas))
     start_ray(num_cpus=cpus, env=ingress_env(config))
     # After ray.init: Ray's core worker installs a SIGTERM handler that kills the driver on the spot.
     signal.signal(signal.SIGTERM, _raise_interrupt)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark import OPENMP_ENV
+from dspark.models.host_limits import usable_cpus
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ def start_ray(num_cpus: int | None = None, env: dict[str, str] | None = None) ->
     os.environ.update(daemon_env(os.environ))
     runtime_env = {"env_vars": replica_env()}
     ray.init(
-        num_cpus=num_cpus or os.cpu_count() or 1,
+        num_cpus=num_cpus or usable_cpus(),
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
         log_to_driver=True,
