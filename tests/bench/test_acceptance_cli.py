@@ -84,6 +84,58 @@ def test_bench_acceptance_cli(tiny_pair, tmp_path):
     assert "macro" in result.output
 
 
+def test_bench_acceptance_decodes_a_prompt_file(tiny_pair, tmp_path):
+    target, drafter = tiny_pair
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [{"domain": "code", "prompt_ids": [5, 6, 7]}, {"domain": "mine", "prompt_ids": [9, 10]}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "acc"
+    args = [
+        "bench",
+        "acceptance",
+        "--target",
+        str(target),
+        "--drafters",
+        str(drafter),
+        "--prompts",
+        str(prompts),
+    ]
+    args += ["--max-tokens", "12", "--temperatures", "0", "--device", "cpu", "--dtype", "float32"]
+    result = CliRunner().invoke(main, [*args, "--output-dir", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "acceptance.json").read_text())
+    assert sorted(report["runs"][0]["domains"]) == ["code", "mine"]
+    assert report["meta"]["num_prompts"] == 2 and report["meta"]["prompts"] == str(prompts)
+
+
+@pytest.mark.parametrize(
+    ("line", "says"),
+    [
+        ("not json", ":1: not JSON"),
+        ('{"domain": "code"}', ":1: prompt_ids must be"),
+        ('{"prompt_ids": [1, 99999999]}', ":1: prompt_ids must be"),
+        ('{"prompt_ids": [1], "domain": 3}', ":1: domain must be a string"),
+    ],
+)
+def test_bad_prompt_file_rows_are_named(tiny_pair, tmp_path, line, says):
+    target, drafter = tiny_pair
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(line + "\n")
+    args = [
+        "bench",
+        "acceptance",
+        "--target",
+        str(target),
+        "--drafters",
+        str(drafter),
+        "--prompts",
+        str(prompts),
+    ]
+    result = CliRunner().invoke(main, [*args, "--device", "cpu", "--dtype", "float32"])
+    assert result.exit_code == 2, result.output
+    assert "--prompts" in result.output and f"{prompts}{says}" in result.output
+
+
 def test_calibrate_cli_records_rounds(tiny_pair, tmp_path):
     target, drafter = tiny_pair
     out = tmp_path / "cal"

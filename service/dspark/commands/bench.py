@@ -238,6 +238,14 @@ def _write_serve_bench(points, meta: dict, output_dir: Path) -> None:
 @click.option(
     "--num-prompts", type=int, default=20, show_default=True, help="Bench-split prompts per domain."
 )
+@click.option(
+    "--prompts",
+    "prompts_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="JSONL of {domain, prompt_ids} (token ids, chat template applied) to decode instead of the "
+    "bench split, e.g. the memorized prompts of scripts/drafter_diagnostics.py.",
+)
 @click.option("--max-tokens", type=int, default=128, show_default=True)
 @click.option(
     "--temperatures", default="1.0,0", show_default=True, help="Comma-separated sampling temperatures."
@@ -262,6 +270,7 @@ def acceptance(
     drafters,
     domains,
     num_prompts,
+    prompts_file,
     max_tokens,
     temperatures,
     gammas,
@@ -295,7 +304,10 @@ def acceptance(
     try:
         specs = {spec: resolve_drafter_dir(spec, target) for spec in _csv(drafters)}
         engine = base_engine(target, device, dtype)
-        prompts = encode_eval_prompts(engine.tokenizer, names, num_prompts, "bench")
+        if prompts_file is not None:
+            prompts = _prompt_file(prompts_file, engine.model.config.vocab_size)
+        else:
+            prompts = encode_eval_prompts(engine.tokenizer, names, num_prompts, "bench")
         total = sum(map(len, prompts.values())) * len(specs) * len(temps) * len(block_sizes)
         with tqdm(total=total, desc="bench acceptance", unit="prompt") as bar:
             runs = run_acceptance(
@@ -316,7 +328,8 @@ def acceptance(
         "machine": platform.processor() or platform.machine(),
         "target": target,
         "drafters": {k: str(v) for k, v in specs.items()},
-        "num_prompts": num_prompts,
+        "num_prompts": num_prompts if prompts_file is None else sum(map(len, prompts.values())),
+        "prompts": str(prompts_file) if prompts_file is not None else "bench split",
         "max_tokens": max_tokens,
         "seed": seed,
         "device": str(engine.device),
@@ -333,6 +346,38 @@ def acceptance(
 
 def _csv(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _prompt_file(path: Path, vocab_size: int) -> dict[str, list[list[int]]]:
+    """`--prompts`: token-id prompts grouped by domain, in file order."""
+    import json
+
+    prompts: dict[str, list[list[int]]] = {}
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise click.BadParameter(f"{where}: not JSON ({e})", param_hint="--prompts") from None
+        ids = row.get("prompt_ids") if isinstance(row, dict) else None
+        if (
+            not isinstance(ids, list)
+            or not ids
+            or not all(type(t) is int and 0 <= t < vocab_size for t in ids)
+        ):
+            raise click.BadParameter(
+                f"{where}: prompt_ids must be a non-empty list of token ids below {vocab_size}",
+                param_hint="--prompts",
+            )
+        domain = row.get("domain", "prompts")
+        if not isinstance(domain, str):
+            raise click.BadParameter(f"{where}: domain must be a string", param_hint="--prompts")
+        prompts.setdefault(domain, []).append(ids)
+    if not prompts:
+        raise click.BadParameter(f"{path} holds no prompts", param_hint="--prompts")
+    return prompts
 
 
 @bench.command("peer")

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from dspark.engine.config import resolve_device, resolve_dtype
 from dspark.training.config import TrainConfig
-from dspark.training.features import load_sequences
+from dspark.training.features import Sequence, load_sequences
 from dspark.training.online import OnlineFeatures, token_sequences
 from dspark.training.pipeline import collect_samples, load_target, prepare_data
 from dspark.training.prompts import NoUsableData
@@ -63,6 +63,17 @@ def build_trainer(cfg: TrainConfig, progress: bool = True, skip_bad_shards: bool
     sequences = [s for s in sequences if len(s.tokens) - s.prompt_len >= 2]
     if not sequences:
         raise NoUsableData(f"{cfg.data_dir}: no sequence has a response to train on")
+    return trainer_for(cfg, sequences, online)
+
+
+def trainer_for(cfg: TrainConfig, sequences: list[Sequence], online: OnlineFeatures | None = None) -> Trainer:
+    """A Trainer over `sequences` (with their features unless `online` fills them), at the run's
+    checkpoint or its warm start."""
+    from dspark.models.pull import resolve_target
+
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    model_dir = resolve_target(cfg.target)
     target_config, target_state = _target_tensors(model_dir)
     target_config = target_config.get("text_config", target_config)
     embed = target_state["model.embed_tokens.weight"]
