@@ -32,7 +32,7 @@ def refused(*args: str) -> str:
 def test_positional_model_and_speculative_config():
     config = effective("HuggingFaceTB/SmolLM2-135M-Instruct", "--speculative-config", SPEC)
     assert config["engine"]["target"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    assert config["engine"]["drafter"] == "deepseek-ai/dspark_qwen3_8b_block7"
+    assert config["engine"]["drafter"] == "dspark:deepseek-ai/dspark_qwen3_8b_block7"
     assert config["engine"]["gamma"] == 7
     assert effective("--model", "org/m")["engine"]["target"] == "org/m"
     assert effective("org/m", "--target", "org/m")["engine"]["target"] == "org/m"
@@ -43,7 +43,7 @@ def test_positional_model_and_speculative_config():
     [
         ('{"method": "ngram", "num_speculative_tokens": 4}', "ngram", 4),
         ('{"method": "eagle3"}', "eagle3", 7),
-        ('{"method": "dflash", "model": "/ckpt/dflash"}', "/ckpt/dflash", 7),
+        ('{"method": "dflash", "model": "/ckpt/dflash"}', "dflash:/ckpt/dflash", 7),
     ],
 )
 def test_speculative_methods_select_the_drafter(spec, drafter, gamma):

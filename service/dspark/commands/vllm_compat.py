@@ -114,7 +114,9 @@ class SpeculativeConfig(BaseModel):
         return self
 
     def engine_flags(self) -> dict[str, Any]:
-        flags: dict[str, Any] = {"drafter": self.model or self.method}
+        # `method:model` makes the drafter loader refuse a checkpoint of another kind.
+        drafter = f"{self.method}:{self.model}" if self.model else self.method
+        flags: dict[str, Any] = {"drafter": drafter}
         if self.num_speculative_tokens is not None:
             flags["gamma"] = self.num_speculative_tokens
         return flags

@@ -19,6 +19,7 @@ from torch import nn
 from dspark.drafters.config import DraftConfig, TargetShape
 from dspark.drafters.dspark_model import DSparkModel
 from dspark.drafters.eagle3_model import Eagle3Model
+from dspark.drafters.published import project_state_dict
 from dspark.models.loader import has_safetensors, load_state_dict, weight_map
 
 _TORCH_FILE = "pytorch_model.bin"
@@ -75,12 +76,17 @@ def load_draft_model(
     checkpoint's copies; a checkpoint without them needs `shared`. With `target` (any config
     `TargetShape.of` accepts), a vocabulary / hidden size / layer mismatch is refused.
     """
-    config = DraftConfig.load(checkpoint_dir, gamma=gamma)
-    if target is not None:
-        config.check_target(TargetShape.of(target))
+    shape = TargetShape.of(target) if target is not None else None
+    config = DraftConfig.load(
+        checkpoint_dir, gamma=gamma, target_layers=shape.num_hidden_layers if shape else None
+    )
+    if shape is not None:
+        config.check_target(shape)
     with torch.device("meta"):
         model = build_model(config)
-    state = read_state_dict(checkpoint_dir)
+    state = project_state_dict(
+        read_state_dict(checkpoint_dir), config.kind, config.vocab_size, config.draft_vocab_size
+    )
     if shared is not None:
         state["embed_tokens.weight"] = shared.embed_tokens
         if "lm_head.weight" in model.shared_keys:

@@ -9,11 +9,21 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import Qwen3Config
 
+from dspark.drafters.published import (
+    aux_to_decoder_layers,
+    dflash_default_layers,
+    dflash_refusals,
+    eagle3_layer_refusals,
+    flatten_speculators,
+    is_speculators,
+)
+
 DrafterKind = Literal["dspark", "dflash", "eagle3"]
 
 DSPARK_ARCHITECTURES = ("Qwen3DSparkModel",)
 DFLASH_ARCHITECTURES = ("DFlashDraftModel", "Qwen3DFlashModel", "Qwen3DFlashDraftModel")
 EAGLE3_ARCHITECTURES = ("Eagle3DraftModel", "LlamaForCausalLMEagle3", "Qwen3ForCausalLMEagle3")
+NO_QK_NORM_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
 
 
 class TargetShape(BaseModel):
@@ -64,21 +74,30 @@ class DraftConfig(BaseModel):
     confidence_head: bool = False
     confidence_with_markov: bool = False
     draft_vocab_size: int | None = None  # reduced drafting vocabulary (`d2t` mapping)
+    qk_norm: bool = True  # EAGLE-3: q_norm / k_norm in attention (Qwen3 layer; a Llama layer has none)
+    norm_before_residual: bool = False  # EAGLE-3: the residual is hidden_norm(h), not h
     markov_draft_vocab: bool = False  # W1 / W2 of the Markov head cover the drafting vocabulary only
     layers: Any  # transformers Qwen3Config: decoder layer hyper-parameters (heads, head_dim, rope, eps)
     raw: dict[str, Any]
 
     @classmethod
-    def load(cls, checkpoint_dir: str | Path, gamma: int | None = None) -> DraftConfig:
+    def load(
+        cls, checkpoint_dir: str | Path, gamma: int | None = None, target_layers: int | None = None
+    ) -> DraftConfig:
         path = Path(checkpoint_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in drafter checkpoint {checkpoint_dir}")
-        return cls.from_dict(json.loads(path.read_text()), gamma=gamma)
+        return cls.from_dict(json.loads(path.read_text()), gamma=gamma, target_layers=target_layers)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], gamma: int | None = None) -> DraftConfig:
-        archs = raw.get("architectures") or []
-        arch = archs[0] if archs else ""
+    def from_dict(
+        cls, raw: dict[str, Any], gamma: int | None = None, target_layers: int | None = None
+    ) -> DraftConfig:
+        """`target_layers` (the target's layer count) places the default feature layers of a
+        checkpoint that names neither its feature layers nor `num_target_layers`, as vLLM does."""
+        if is_speculators(raw):
+            raw = flatten_speculators(raw)
+        arch = checkpoint_architecture(raw)
         nested = raw.get("dflash_config") or raw.get("eagle_config") or {}
         layer_keys = {
             k: v for k, v in raw.items() if k not in ("architectures", "dflash_config", "eagle_config")
@@ -95,6 +114,7 @@ class DraftConfig(BaseModel):
             "raw": raw,
         }
         if arch in DSPARK_ARCHITECTURES or arch in DFLASH_ARCHITECTURES:
+            _refuse(arch, dflash_refusals(raw))
             head = raw.get("markov_head_type")
             head = None if head in (None, "", "none") else head
             kind: DrafterKind = "dspark" if head is not None else "dflash"
@@ -106,10 +126,16 @@ class DraftConfig(BaseModel):
             markov_draft_vocab = bool(raw.get("markov_over_draft_vocab", False)) and head is not None
             if markov_draft_vocab and not 0 < int(raw.get("draft_vocab_size") or 0) < raw["vocab_size"]:
                 raise ValueError("markov_over_draft_vocab needs a draft_vocab_size below vocab_size")
+            ids = raw.get("target_layer_ids", nested.get("target_layer_ids"))
+            n_target = raw.get("num_target_layers") or target_layers
+            if not ids and arch in DFLASH_ARCHITECTURES and n_target:
+                ids = dflash_default_layers(n_target, raw["num_hidden_layers"])
+            if raw.get("mask_token_id", nested.get("mask_token_id")) is None:
+                raise ValueError(f"{arch} config names no mask_token_id (nor dflash_config.mask_token_id)")
             return cls(
                 kind=kind,
                 target_hidden_size=raw.get("target_hidden_size", raw["hidden_size"]),
-                target_layer_ids=tuple(raw.get("target_layer_ids", nested.get("target_layer_ids", ()))),
+                target_layer_ids=tuple(ids or ()),
                 block_size=block,
                 gamma=gamma or (block if anchor_predicts else block - 1),
                 anchor_predicts=anchor_predicts,
@@ -123,11 +149,20 @@ class DraftConfig(BaseModel):
                 **common,
             )
         if arch in EAGLE3_ARCHITECTURES:
-            ids = raw.get("target_layer_ids") or nested.get("eagle_aux_hidden_state_layer_ids")
-            n_target = raw.get("num_target_layers")
+            _refuse(arch, eagle3_layer_refusals(raw))
+            ids = raw.get("target_layer_ids")
+            if not ids and (
+                aux := raw.get("eagle_aux_hidden_state_layer_ids")
+                or nested.get("eagle_aux_hidden_state_layer_ids")
+            ):
+                ids = aux_to_decoder_layers(aux)
+            n_target = raw.get("num_target_layers") or target_layers
             if not ids:
                 if not n_target:
-                    raise ValueError("EAGLE-3 config names neither target_layer_ids nor num_target_layers")
+                    raise ValueError(
+                        "EAGLE-3 config names neither target_layer_ids (eagle_aux_hidden_state_layer_ids) "
+                        "nor num_target_layers, and no target was given to place the default layers"
+                    )
                 ids = default_eagle3_layers(n_target)
             g = gamma or int(raw.get("block_size", 7))
             return cls(
@@ -137,12 +172,11 @@ class DraftConfig(BaseModel):
                 block_size=g,
                 gamma=g,
                 draft_vocab_size=raw.get("draft_vocab_size"),
+                qk_norm=arch not in NO_QK_NORM_ARCHITECTURES,
+                norm_before_residual=bool(raw.get("norm_before_residual", False)),
                 **common,
             )
-        raise ValueError(
-            f"unknown drafter architecture {arch!r}; known: "
-            f"{DSPARK_ARCHITECTURES + DFLASH_ARCHITECTURES + EAGLE3_ARCHITECTURES}"
-        )
+        raise AssertionError(arch)  # checkpoint_architecture refuses the others
 
     def check_target(self, target: TargetShape) -> None:
         """Refuse a target this drafter was not built for, naming every mismatch."""
@@ -160,6 +194,37 @@ class DraftConfig(BaseModel):
             problems.append(f"target layers {bad} outside the target's 0..{target.num_hidden_layers - 1}")
         if problems:
             raise ValueError(f"{self.architecture} drafter does not match the target: " + "; ".join(problems))
+
+
+def checkpoint_architecture(raw: dict[str, Any]) -> str:
+    """The architecture a drafter config.json declares (a `speculators` one as the EAGLE-3 it is);
+    an architecture no drafter here runs is refused, naming the known ones."""
+    if is_speculators(raw):
+        raw = flatten_speculators(raw)
+    archs = raw.get("architectures") or []
+    arch = archs[0] if archs else ""
+    if arch not in DSPARK_ARCHITECTURES + DFLASH_ARCHITECTURES + EAGLE3_ARCHITECTURES:
+        raise ValueError(
+            f"unknown drafter architecture {arch!r}; known: "
+            f"{DSPARK_ARCHITECTURES + DFLASH_ARCHITECTURES + EAGLE3_ARCHITECTURES} "
+            "and speculators_model_type eagle3"
+        )
+    return arch
+
+
+def checkpoint_kind(raw: dict[str, Any]) -> DrafterKind:
+    """dspark, dflash or eagle3, from a drafter config.json alone."""
+    arch = checkpoint_architecture(raw)
+    if arch in EAGLE3_ARCHITECTURES:
+        return "eagle3"
+    if is_speculators(raw):
+        raw = flatten_speculators(raw)
+    return "dflash" if raw.get("markov_head_type") in (None, "", "none") else "dspark"
+
+
+def _refuse(arch: str, problems: list[str]) -> None:
+    if problems:
+        raise ValueError(f"{arch} drafter cannot be run here: " + "; ".join(problems))
 
 
 def default_eagle3_layers(num_layers: int) -> tuple[int, ...]:

@@ -1,12 +1,13 @@
 """EAGLE-3 style autoregressive drafter: one decoder layer over [embedding ; fused target features].
 
-Checkpoint layout (the published EAGLE-3 / SpecForge one): config.json with `architectures`
-`LlamaForCausalLMEagle3` (Llama layer, no q/k norm), `Qwen3ForCausalLMEagle3` or this project's
-`Eagle3DraftModel` (both Qwen3 layers with q_norm / k_norm), `target_layer_ids` (or
-`eagle_config.eagle_aux_hidden_state_layer_ids`), optional `draft_vocab_size`; weights `fc`
-(m*hidden -> hidden), `midlayer.{hidden_norm,input_layernorm,post_attention_layernorm}`,
-`midlayer.self_attn.{q,k,v}_proj` (2*hidden -> ...), `o_proj`, `midlayer.mlp.*`, `norm`, `lm_head`
-(draft vocabulary), optional `d2t` (draft id -> target id offset) / `t2d`, optional `embed_tokens`.
+Checkpoint layout (the EAGLE authors' / SpecForge one; `speculators` configs and `layers.0.*` keys
+are translated by `published.py`): config.json with `architectures` `LlamaForCausalLMEagle3` (Llama
+layer, no q/k norm), `Qwen3ForCausalLMEagle3` or this project's `Eagle3DraftModel` (both Qwen3
+layers with q_norm / k_norm), `target_layer_ids` (or `eagle_aux_hidden_state_layer_ids`), optional
+`draft_vocab_size`, `norm_before_residual`; weights `fc` (m*hidden -> hidden),
+`midlayer.{hidden_norm,input_layernorm,post_attention_layernorm}`, `midlayer.self_attn.{q,k,v}_proj`
+(2*hidden -> ...), `o_proj`, `midlayer.mlp.*`, `norm`, `lm_head` (draft vocabulary), optional `d2t`
+(draft id -> target id offset) / `t2d`, optional `embed_tokens`.
 
 Position i of the draft sequence pairs the embedding of token i+1 with the target's fused feature
 of token i and predicts token i+2; later draft steps feed the layer's own output back in place of
@@ -25,12 +26,11 @@ from dspark.drafters.layers import make_mlp
 from dspark.models.norm import RMSNorm
 from dspark.models.rotary import RotaryEmbedding
 
-NO_QK_NORM_ARCHITECTURES = ("LlamaForCausalLMEagle3",)
-
 
 class Eagle3Layer(nn.Module):
-    def __init__(self, config, qk_norm: bool) -> None:
+    def __init__(self, config, qk_norm: bool, norm_before_residual: bool = False) -> None:
         super().__init__()
+        self.norm_before_residual = norm_before_residual
         d = config.hidden_size
         self.self_attn = DraftAttention(config, input_size=2 * d, qk_norm=qk_norm)
         self.mlp = make_mlp(config)
@@ -42,8 +42,9 @@ class Eagle3Layer(nn.Module):
         return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
 
     def finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """Residual over the incoming hidden state, then the MLP block (pre-norm output)."""
-        x = hidden + attn_out
+        """Residual over the incoming hidden state (normed first with `norm_before_residual`), then
+        the MLP block (pre-norm output)."""
+        x = (self.hidden_norm(hidden) if self.norm_before_residual else hidden) + attn_out
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -60,7 +61,9 @@ class Eagle3Model(nn.Module):
         draft_vocab = config.draft_vocab_size or vocab
         self.embed_tokens = nn.Embedding(vocab, d)
         self.fc = nn.Linear(len(config.target_layer_ids) * config.target_hidden_size, d, bias=False)
-        self.midlayer = Eagle3Layer(lc, qk_norm=config.architecture not in NO_QK_NORM_ARCHITECTURES)
+        self.midlayer = Eagle3Layer(
+            lc, qk_norm=config.qk_norm, norm_before_residual=config.norm_before_residual
+        )
         self.norm = RMSNorm(d, lc.rms_norm_eps)
         self.lm_head = nn.Linear(d, draft_vocab, bias=False)
         if draft_vocab != vocab:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +18,18 @@ from dspark.models.packed_linear import can_pack, pack_linears
 DRAFTER_HELP = (
     "auto (the target's shipped DSpark drafter, else ngram) | none | ngram | "
     "dspark | dflash | eagle3 (the shipped drafters of the target) | "
-    "a drafter checkpoint directory or hub id org/name[@revision] (DSpark, DFlash or EAGLE-3) | "
+    "a drafter checkpoint directory or hub id org/name[@revision] (DSpark, DFlash or EAGLE-3), "
+    "optionally as KIND:<checkpoint> to refuse a checkpoint of another kind | "
     "ngram+<one of those> (n-gram lookup where the text repeats, the model elsewhere)"
 )
 LOOKUP_FIRST = "ngram+"
+MODEL_KINDS = ("dspark", "dflash", "eagle3")
+
+
+def split_kind(spec: str) -> tuple[str | None, str]:
+    """`dflash:org/name` -> ("dflash", "org/name"); a spec without a kind prefix -> (None, spec)."""
+    kind, sep, rest = spec.partition(":")
+    return (kind, rest) if sep and rest and kind in MODEL_KINDS else (None, spec)
 
 
 def resolve_drafter_spec(spec: str, target_config: Any) -> str:
@@ -70,9 +79,12 @@ def load_drafter(
             rest, target_config, device, dtype, shared=shared, gamma=gamma, calibrated=calibrated
         )
         return LookupFirstDrafter(model)
+    want, spec = split_kind(spec)
     path = shipped_drafter(spec, target_config) if spec in SHIPPED_NAMES else checkpoint_dir(spec)
     if not (path / "config.json").is_file():
         raise ValueError(f"unknown drafter {spec!r}; expected one of: {DRAFTER_HELP}")
+    if want is not None:
+        require_kind(path, want, spec)
 
     from dspark.drafters.calibration import Calibration
     from dspark.drafters.checkpoint import load_draft_model
@@ -88,3 +100,15 @@ def load_drafter(
     if isinstance(model, DSparkModel):
         return DSparkDrafter(model, Calibration.find(path, model.config.gamma) if calibrated else None)
     return Eagle3Drafter(model)
+
+
+def require_kind(path: Path, want: str, spec: str) -> None:
+    """Refuse a checkpoint whose config.json declares another kind of drafter than `want`."""
+    from dspark.drafters.config import checkpoint_kind
+
+    raw = json.loads((path / "config.json").read_text())
+    if (kind := checkpoint_kind(raw)) != want:
+        archs = raw.get("architectures") or [raw.get("speculators_model_type")]
+        raise ValueError(
+            f"drafter {spec!r} is a {kind} checkpoint ({archs[0]}), not {want}; name method {kind!r} for it"
+        )

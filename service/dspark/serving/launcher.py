@@ -30,13 +30,13 @@ def _raise_interrupt(signum, frame) -> None:
 def prepare_model(config: ServeConfig) -> None:
     """Fetch the target (and a drafter given by hub id) here, with progress and clean errors, before
     replicas try to load them."""
-    from dspark.drafters.factory import LOOKUP_FIRST, checkpoint_dir
+    from dspark.drafters.factory import LOOKUP_FIRST, checkpoint_dir, split_kind
     from dspark.models.hub import parse_hub_id
     from dspark.models.pull import resolve_target
 
     engine = config.engine_config()
     resolve_target(engine.target)
-    drafter = engine.drafter.removeprefix(LOOKUP_FIRST)
+    _, drafter = split_kind(engine.drafter.removeprefix(LOOKUP_FIRST))
     if parse_hub_id(drafter) is not None:
         checkpoint_dir(drafter)
 
