@@ -135,7 +135,6 @@ class MultiTurnChatUser(FastHttpUser):
             "stream": True,
         }
         sent = time.perf_counter()
-        ttft, parts = None, []
         with self.client.post(
             "/v1/chat/completions",
             json=body,
@@ -148,20 +147,16 @@ class MultiTurnChatUser(FastHttpUser):
                 resp.failure(f"HTTP {resp.status_code}: {(resp.content or b'')[:200]!r}")
                 self._new_conversation()
                 return
-            raw = resp._response
-            while line := raw.readline(b"\n"):
-                line = line.strip()
-                if not line.startswith(b"data:") or line == b"data: [DONE]":
-                    continue
-                choices = json.loads(line[5:]).get("choices") or [{}]
-                content = (choices[0].get("delta") or {}).get("content")
-                if content:
-                    ttft = ttft if ttft is not None else time.perf_counter() - sent
-                    parts.append(content)
+            ttft, answer = read_chat_stream(resp._response, sent)
             if ttft is None:
                 resp.failure("no content streamed")
                 self._new_conversation()
                 return
+        self._record_ttft(ttft)
+        self._next_turn(answer)
+
+    def _record_ttft(self, ttft: float) -> None:
+        """The turn's TTFT, kept per turn and reported to Locust as a request type of its own."""
         self.environment.multiturn_ttft.setdefault(self.turn, []).append(ttft)
         self.environment.events.request.fire(
             request_type="TTFT",
@@ -171,9 +166,28 @@ class MultiTurnChatUser(FastHttpUser):
             exception=None,
             context={},
         )
+
+    def _next_turn(self, answer: str) -> None:
+        """The answer and a follow-up question join the conversation, or a new one starts after the last turn."""
         self.turn += 1
         if self.turn >= self.turns:
             self._new_conversation()
             return
-        self.messages.append({"role": "assistant", "content": "".join(parts)})
+        self.messages.append({"role": "assistant", "content": answer})
         self.messages.append({"role": "user", "content": self.rng.choice(FOLLOW_UPS)})
+
+
+def read_chat_stream(raw, sent: float) -> tuple[float | None, str]:
+    """Seconds from `sent` to the first content of a streamed chat completion (None if none came),
+    and the whole content. Lines are read on LF: SSE events end in LF, not CRLF."""
+    ttft, parts = None, []
+    while line := raw.readline(b"\n"):
+        line = line.strip()
+        if not line.startswith(b"data:") or line == b"data: [DONE]":
+            continue
+        choices = json.loads(line[5:]).get("choices") or [{}]
+        content = (choices[0].get("delta") or {}).get("content")
+        if content:
+            ttft = ttft if ttft is not None else time.perf_counter() - sent
+            parts.append(content)
+    return ttft, "".join(parts)
