@@ -20,7 +20,7 @@ SOURCES = [ROOT / "service", ROOT / "operator", ROOT / "loadtest"]
 # package. Packages in one layer do not import each other.
 LAYERS: list[tuple[str, ...]] = [
     ("dspark", "dspark.validation", "dspark.prompts"),  # shared helpers and prompt sets
-    ("dspark.models", "dspark.sps_format"),
+    ("dspark.models", "dspark.sps_format", "dspark.tier_format"),
     ("dspark.engine",),  # the Drafter and VerifyPolicy interfaces, survival probabilities, prompts
     ("dspark.drafters", "dspark.policies"),
     ("dspark.profiling",),  # measures an engine
@@ -30,8 +30,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("dspark.commands",),
     ("dspark.cli", "locustfile", "multiturn_locustfile"),
 ]
-# The operator image has no torch: the operator reads the SPS profile format and nothing else.
-OPERATOR_MAY_IMPORT = {"dspark", "dspark.sps_format", "dspark.validation"}
+# The operator image has no torch: the operator reads the SPS profile and tier formats and nothing else.
+OPERATOR_MAY_IMPORT = {"dspark", "dspark.sps_format", "dspark.tier_format", "dspark.validation"}
 
 LAYER = {package: level for level, packages in enumerate(LAYERS) for package in packages}
 

@@ -1,8 +1,8 @@
 """SLA tiers: the interactivity targets a deployment must hold, and the load each is tested under.
 
-The fields `name`, `tokensPerSecondPerUser`, `ttftP95Seconds`, `minReplicas`, `maxReplicas` and
-`priority` mean what they mean in the chart's `example.tiers` and the DSparkService CRD; the rest
-(the p10 speed target, the workload and the load shape) belong to the load test only.
+The targets and replica bounds are the shared tier format (`dspark.tier_format.SlaTier`), which the
+chart's `example.tiers` and the DSparkService CRD spell alike; the rest (the p10 speed target, the
+workload and the load shape) belong to the load test only.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
+from dspark.tier_format import SHARED_FIELDS, SlaTier
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 DEFAULT_TIERS_FILE = Path(__file__).resolve().parent / "tiers.yaml"  # loadtest/tiers.yaml links here
@@ -80,28 +81,23 @@ class SpikeLoad(_Model):
 LoadShape = Annotated[ConstantLoad | StepLoad | SpikeLoad, Field(discriminator="shape")]
 
 
-class Tier(_Model):
-    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]{0,18}[a-z0-9])?$")
-    tokens_per_second_per_user: float = Field(alias="tokensPerSecondPerUser", gt=0)  # p50 target
+class Tier(SlaTier):
+    """A tier's targets and replica bounds (shared with the operator and the chart), the p10 speed
+    target, and the workload and load shape it is tested under."""
+
+    model_config = ConfigDict(extra="forbid")
+
     tokens_per_second_per_user_p10: float | None = Field(None, alias="tokensPerSecondPerUserP10", gt=0)
-    ttft_p95_seconds: float = Field(alias="ttftP95Seconds", gt=0)
-    min_replicas: int = Field(1, alias="minReplicas", ge=0)
-    max_replicas: int = Field(4, alias="maxReplicas", ge=1)
-    priority: int = 0
     max_error_ratio: float = Field(0.01, alias="maxErrorRatio", ge=0, le=1)
     max_requests: int = Field(100000, alias="maxRequests", ge=1)  # hard cap beside the duration
     workload: Workload = Workload()
     load: LoadShape
 
     @model_validator(mode="after")
-    def _consistent(self) -> Tier:
+    def _p10_below_p50(self) -> Tier:
         p10 = self.tokens_per_second_per_user_p10
         if p10 is not None and p10 > self.tokens_per_second_per_user:
             raise ValueError(f"tier {self.name!r}: the p10 speed target {p10} exceeds the p50 target")
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(
-                f"tier {self.name!r}: minReplicas {self.min_replicas} > maxReplicas {self.max_replicas}"
-            )
         return self
 
 
@@ -141,4 +137,4 @@ def chart_tiers(values_path: str | Path) -> list[dict]:
     return list((values.get("example") or {}).get("tiers") or [])
 
 
-CHART_SHARED_FIELDS = ("tokensPerSecondPerUser", "ttftP95Seconds", "minReplicas", "maxReplicas", "priority")
+CHART_SHARED_FIELDS = SHARED_FIELDS

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+from dspark.tier_format import SlaTier
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 GROUP = "dspark.ai"
@@ -62,23 +63,19 @@ class AutoscalingSpec(_Spec):
     max_total_replicas: int | None = Field(None, alias="maxTotalReplicas", ge=1)
 
 
-class TierSpec(_Spec):
-    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]{0,18}[a-z0-9])?$")
-    tokens_per_second_per_user: float = Field(alias="tokensPerSecondPerUser", gt=0)
-    ttft_p95_seconds: float = Field(alias="ttftP95Seconds", gt=0)
-    # At least 1: a tier without replicas has no server to accept a request or report demand, and
-    # nothing in front of it (no activator) could ask the operator to scale it back up.
-    min_replicas: int = Field(1, alias="minReplicas", ge=1)
-    max_replicas: int = Field(4, alias="maxReplicas", ge=1)
-    priority: int = 0
+class TierSpec(SlaTier):
+    """A tier of a DSparkService: the shared tier format, and the node types it may run on."""
+
+    model_config = ConfigDict(extra="ignore")
+
     node_types: tuple[str, ...] = Field((), alias="nodeTypes")
 
     @model_validator(mode="after")
-    def _bounds_ordered(self) -> TierSpec:
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(
-                f"tier {self.name!r}: minReplicas {self.min_replicas} > maxReplicas {self.max_replicas}"
-            )
+    def _has_a_replica(self) -> TierSpec:
+        # A tier without replicas has no server to accept a request or report demand, and nothing
+        # in front of it (no activator) could ask the operator to scale it back up.
+        if self.min_replicas < 1:
+            raise ValueError(f"tier {self.name!r}: minReplicas must be at least 1, got {self.min_replicas}")
         return self
 
 

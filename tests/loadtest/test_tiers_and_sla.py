@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from dspark.tier_format import SlaTier
 from dspark_loadtest.report import build_report
 from dspark_loadtest.run_state import parse_mix, resolve_tier
 from dspark_loadtest.shapes import Stage, stage_at, stages
@@ -84,6 +85,20 @@ def test_shared_fields_agree_with_the_chart_and_the_crd_model():
             assert getattr(mine, _snake(field)) == getattr(theirs, _snake(field)), (entry["name"], field)
     for raw in ours.values():  # every scenario is also a valid CRD tier
         TierSpec.model_validate(raw)
+
+
+def test_the_load_test_and_the_operator_share_one_tier_format():
+    """Both extend `SlaTier` and redefine none of its fields: one definition of targets and bounds."""
+    for model in (Tier, TierSpec):
+        assert issubclass(model, SlaTier)
+        assert not set(model.__annotations__) & set(SlaTier.model_fields), model
+    assert set(CHART_SHARED_FIELDS) == {
+        "tokensPerSecondPerUser",
+        "ttftP95Seconds",
+        "minReplicas",
+        "maxReplicas",
+        "priority",
+    }
 
 
 def _snake(name: str) -> str:
