@@ -77,81 +77,85 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+class _HubHandler(BaseHTTPRequestHandler):
+    """The hub's routes; `hub` is set per emulator by `_handler`."""
+
+    hub: HubEmulator
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_HEAD(self) -> None:
+        self._serve(body=False)
+
+    def do_GET(self) -> None:
+        self._serve(body=True)
+
+    def _serve(self, body: bool) -> None:
+        path = unquote(urlsplit(self.path).path)
+        self.hub.requests.append((self.command, path, self.headers.get("Authorization")))
+        parts = path.strip("/").split("/")
+        if parts[:2] == ["api", "models"] and len(parts) >= 6 and parts[4] in ("revision", "tree"):
+            repo_id, rev = "/".join(parts[2:4]), parts[5]
+            if (repo := self._repo(repo_id, rev)) is not None:
+                self._json(repo_id, repo, listing=parts[4] == "tree")
+        elif len(parts) >= 5 and parts[2] == "resolve":
+            repo_id, rev, name = "/".join(parts[:2]), parts[3], "/".join(parts[4:])
+            if (repo := self._repo(repo_id, rev)) is not None:
+                self._file(repo, name, body)
+        else:
+            self._error(404, "EntryNotFound", "no such route")
+
+    def _repo(self, repo_id: str, rev: str) -> HubRepo | None:
+        repo = self.hub.repos.get(repo_id)
+        if repo is None:
+            self._error(404, "RepoNotFound", f"Repository Not Found for url: {repo_id}")
+        elif rev not in (repo.branch, repo.commit):
+            self._error(404, "RevisionNotFound", f"Invalid rev id: {rev}")
+        else:
+            return repo
+        return None
+
+    def _json(self, repo_id: str, repo: HubRepo, listing: bool) -> None:
+        if listing:
+            data = [
+                {"type": "file", "path": name, "size": p.stat().st_size, "oid": _sha256(p)[:40]}
+                for name, p in repo.files.items()
+            ]
+        else:
+            data = {"id": repo_id, "sha": repo.commit, "siblings": [{"rfilename": n} for n in repo.files]}
+        raw = json.dumps(data).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def _file(self, repo: HubRepo, name: str, body: bool) -> None:
+        local = repo.files.get(name)
+        if local is None:
+            self._error(404, "EntryNotFound", f"{name} not found")
+            return
+        self.send_response(200)
+        self.send_header("X-Repo-Commit", repo.commit)
+        self.send_header("ETag", f'"{_sha256(local)}"')
+        self.send_header("Content-Length", str(local.stat().st_size))
+        self.end_headers()
+        if body:
+            with open(local, "rb") as f:
+                shutil.copyfileobj(f, self.wfile, 1 << 20)
+
+    def _error(self, status: int, code: str, message: str) -> None:
+        raw = json.dumps({"error": message}).encode()
+        self.send_response(status)
+        self.send_header("X-Error-Code", code)
+        self.send_header("X-Error-Message", message)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+
 def _handler(hub: HubEmulator) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args) -> None:
-            pass
-
-        def do_HEAD(self) -> None:
-            self._serve(body=False)
-
-        def do_GET(self) -> None:
-            self._serve(body=True)
-
-        def _serve(self, body: bool) -> None:
-            path = unquote(urlsplit(self.path).path)
-            hub.requests.append((self.command, path, self.headers.get("Authorization")))
-            parts = path.strip("/").split("/")
-            if parts[:2] == ["api", "models"] and len(parts) >= 6 and parts[4] in ("revision", "tree"):
-                repo_id, rev = "/".join(parts[2:4]), parts[5]
-                if (repo := self._repo(repo_id, rev)) is not None:
-                    self._json(repo_id, repo, listing=parts[4] == "tree")
-            elif len(parts) >= 5 and parts[2] == "resolve":
-                repo_id, rev, name = "/".join(parts[:2]), parts[3], "/".join(parts[4:])
-                if (repo := self._repo(repo_id, rev)) is not None:
-                    self._file(repo, name, body)
-            else:
-                self._error(404, "EntryNotFound", "no such route")
-
-        def _repo(self, repo_id: str, rev: str) -> HubRepo | None:
-            repo = hub.repos.get(repo_id)
-            if repo is None:
-                self._error(404, "RepoNotFound", f"Repository Not Found for url: {repo_id}")
-            elif rev not in (repo.branch, repo.commit):
-                self._error(404, "RevisionNotFound", f"Invalid rev id: {rev}")
-            else:
-                return repo
-            return None
-
-        def _json(self, repo_id: str, repo: HubRepo, listing: bool) -> None:
-            if listing:
-                data = [
-                    {"type": "file", "path": name, "size": p.stat().st_size, "oid": _sha256(p)[:40]}
-                    for name, p in repo.files.items()
-                ]
-            else:
-                data = {"id": repo_id, "sha": repo.commit, "siblings": [{"rfilename": n} for n in repo.files]}
-            raw = json.dumps(data).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(raw)))
-            self.end_headers()
-            self.wfile.write(raw)
-
-        def _file(self, repo: HubRepo, name: str, body: bool) -> None:
-            local = repo.files.get(name)
-            if local is None:
-                self._error(404, "EntryNotFound", f"{name} not found")
-                return
-            self.send_response(200)
-            self.send_header("X-Repo-Commit", repo.commit)
-            self.send_header("ETag", f'"{_sha256(local)}"')
-            self.send_header("Content-Length", str(local.stat().st_size))
-            self.end_headers()
-            if body:
-                with open(local, "rb") as f:
-                    shutil.copyfileobj(f, self.wfile, 1 << 20)
-
-        def _error(self, status: int, code: str, message: str) -> None:
-            raw = json.dumps({"error": message}).encode()
-            self.send_response(status)
-            self.send_header("X-Error-Code", code)
-            self.send_header("X-Error-Message", message)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(raw)))
-            self.end_headers()
-            self.wfile.write(raw)
-
-    return Handler
+    return type("Handler", (_HubHandler,), {"hub": hub})

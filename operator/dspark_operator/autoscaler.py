@@ -25,7 +25,7 @@ from dspark_operator.scaling import (
     decide,
 )
 from dspark_operator.serving import set_workload_replicas, workload_replicas
-from dspark_operator.spec import ServiceSpec
+from dspark_operator.spec import ServiceSpec, TierSpec
 
 DESIRED_REPLICAS = Gauge(
     "dspark_desired_replicas",
@@ -119,93 +119,135 @@ def autoscale_service(
     profile_cache: dict,
     now: float,
 ) -> AutoscaleOutcome:
-    namespace, service = body["metadata"]["namespace"], body["metadata"]["name"]
-    tier_status: dict[str, Any] = (body.get("status") or {}).get("tiers") or {}
-    a = spec.autoscaling
-    policy = ScalingPolicy(
-        a.tolerance, a.scale_up_cooldown_seconds, a.scale_down_cooldown_seconds, a.max_scale_up_factor
+    """One pass: decide each tier that is due, fit the decisions into the replica budget, apply them."""
+    run = _AutoscalePass(
+        kube,
+        body["metadata"]["namespace"],
+        body["metadata"]["name"],
+        spec,
+        config,
+        source,
+        profile_cache,
+        now,
     )
-    outcome = AutoscaleOutcome()
+    tier_status: dict[str, Any] = (body.get("status") or {}).get("tiers") or {}
     evaluations: dict[str, TierEvaluation] = {}
-
     for tier in spec.tiers:
         status = tier_status.get(tier.name) or {}
-        if status.get("state") != "Deployed":
-            continue
-        last = status.get("lastEvaluated")
-        if last is not None and now - float(last) < a.interval_seconds:
-            continue
-        kind, name = status["kind"], status["workload"]
-        current = workload_replicas(kube, kind, namespace, name)
-        if current is None:
-            continue  # the reconciler has not created it yet
-        memory = ScalingMemory.from_status(status)
-        if memory.last_scale_time is None:
-            # A new workload counts as just scaled, so nothing scales down before one cool-down.
-            memory = replace(memory, last_scale_time=now)
-        capacity = _capacity(
-            kube,
-            namespace,
-            builders.profile_configmap_name(service, status["nodeType"]),
-            config,
-            profile_cache,
-        )
-        metrics = None
-        if not outcome.metrics_error:  # after one failure this pass, the other tiers do not wait on it
-            try:
-                metrics = source.read_tier(kube, namespace, service, tier.name)
-                outcome.metrics_error = ""
-            except MetricsUnavailable as exc:
-                outcome.metrics_error = str(exc)
-        target = TierTarget(
-            tier.tokens_per_second_per_user, tier.ttft_p95_seconds, tier.min_replicas, tier.max_replicas
-        )
-        # Without metrics, decide() only keeps the tier inside its bounds: the replicas hold.
-        decision = decide(current, metrics, target, capacity, policy, memory, now)
-        if outcome.metrics_error and decision.desired == current:
-            decision = replace(decision, reason=f"held: metrics unavailable ({outcome.metrics_error})")
-        evaluations[tier.name] = TierEvaluation(decision, memory, kind, name, metrics)
-
+        if _due(status, spec.autoscaling.interval_seconds, now) and (
+            evaluation := run.evaluate(tier, status)
+        ):
+            evaluations[tier.name] = evaluation
     granted = apportion_by_priority(
         {t: e.decision.desired for t, e in evaluations.items()},
         {t.name: t.min_replicas for t in spec.tiers},
         {t.name: t.priority for t in spec.tiers},
-        a.max_total_replicas,
+        spec.autoscaling.max_total_replicas,
     )
     for tier_name, evaluation in evaluations.items():
+        run.outcome.tiers[tier_name] = run.apply(tier_name, evaluation, granted[tier_name])
+    run.outcome.summary = _summary(spec, tier_status, run.outcome.tiers)
+    return run.outcome
+
+
+def _due(status: dict[str, Any], interval_seconds: float, now: float) -> bool:
+    """A deployed tier not evaluated within the last interval."""
+    last = status.get("lastEvaluated")
+    return status.get("state") == "Deployed" and (last is None or now - float(last) >= interval_seconds)
+
+
+@dataclass
+class _AutoscalePass:
+    """What one pass over a service reads and writes, and its outcome so far."""
+
+    kube: Kube
+    namespace: str
+    service: str
+    spec: ServiceSpec
+    config: OperatorConfig
+    source: TierMetricsSource
+    profile_cache: dict
+    now: float
+    outcome: AutoscaleOutcome = field(default_factory=AutoscaleOutcome)
+
+    def evaluate(self, tier: TierSpec, status: dict[str, Any]) -> TierEvaluation | None:
+        """The tier's decision from its workload, profile and metrics (None: no workload yet)."""
+        kind, name = status["kind"], status["workload"]
+        current = workload_replicas(self.kube, kind, self.namespace, name)
+        if current is None:
+            return None  # the reconciler has not created it yet
+        memory = ScalingMemory.from_status(status)
+        if memory.last_scale_time is None:
+            # A new workload counts as just scaled, so nothing scales down before one cool-down.
+            memory = replace(memory, last_scale_time=self.now)
+        configmap = builders.profile_configmap_name(self.service, status["nodeType"])
+        capacity = _capacity(self.kube, self.namespace, configmap, self.config, self.profile_cache)
+        metrics = self._read_metrics(tier.name)
+        target = TierTarget(
+            tier.tokens_per_second_per_user, tier.ttft_p95_seconds, tier.min_replicas, tier.max_replicas
+        )
+        # Without metrics, decide() only keeps the tier inside its bounds: the replicas hold.
+        decision = decide(current, metrics, target, capacity, self.policy(), memory, self.now)
+        error = self.outcome.metrics_error
+        if error and decision.desired == current:
+            decision = replace(decision, reason=f"held: metrics unavailable ({error})")
+        return TierEvaluation(decision, memory, kind, name, metrics)
+
+    def policy(self) -> ScalingPolicy:
+        a = self.spec.autoscaling
+        return ScalingPolicy(
+            a.tolerance, a.scale_up_cooldown_seconds, a.scale_down_cooldown_seconds, a.max_scale_up_factor
+        )
+
+    def _read_metrics(self, tier: str) -> TierMetrics | None:
+        """The tier's metrics; after one failure this pass, the other tiers do not wait on it."""
+        if self.outcome.metrics_error:
+            return None
+        try:
+            metrics = self.source.read_tier(self.kube, self.namespace, self.service, tier)
+        except MetricsUnavailable as exc:
+            self.outcome.metrics_error = str(exc)
+            return None
+        self.outcome.metrics_error = ""
+        return metrics
+
+    def apply(self, tier: str, evaluation: TierEvaluation, desired: int) -> dict[str, Any]:
+        """Scale the tier's workload to the `desired` replicas the budget granted; its status fields."""
         decision, old_memory, metrics = evaluation.decision, evaluation.memory, evaluation.metrics
-        desired, reason, memory = granted[tier_name], decision.reason, decision.memory
+        reason, memory = decision.reason, decision.memory
         if desired != decision.desired:
-            reason += f"; limited to {desired} by maxTotalReplicas {a.max_total_replicas}"
+            reason += f"; limited to {desired} by maxTotalReplicas {self.spec.autoscaling.max_total_replicas}"
         if desired == decision.current:  # no scaling happened: the cool-down clock keeps running
             memory = replace(
                 memory, last_scale_time=old_memory.last_scale_time, last_direction=old_memory.last_direction
             )
-        if desired != decision.current:
-            set_workload_replicas(kube, evaluation.kind, namespace, evaluation.workload, desired)
+        else:
+            set_workload_replicas(self.kube, evaluation.kind, self.namespace, evaluation.workload, desired)
             verb = "ScaledUp" if desired > decision.current else "ScaledDown"
-            outcome.events.append(
-                Event("Normal", verb, f"tier {tier_name}: {decision.current} -> {desired}: {reason}")
-            )
-        DESIRED_REPLICAS.labels(namespace, service, tier_name).set(desired)
-        outcome.tiers[tier_name] = {
+            message = f"tier {tier}: {decision.current} -> {desired}: {reason}"
+            self.outcome.events.append(Event("Normal", verb, message))
+        DESIRED_REPLICAS.labels(self.namespace, self.service, tier).set(desired)
+        return {
             "currentReplicas": decision.current,
             "desiredReplicas": desired,
             "recommendation": decision.recommendation,
             "lastTokensPerSecond": metrics.tokens_per_second_p50 if metrics else None,
             "lastTtftP95Seconds": metrics.ttft_p95_seconds if metrics else None,
             "lastDecision": reason,
-            "lastEvaluated": now,
+            "lastEvaluated": self.now,
             **memory.to_status(),
         }
-    merged = {**{t: dict(s) for t, s in tier_status.items()}}
-    for t, s in outcome.tiers.items():
+
+
+def _summary(spec: ServiceSpec, old: dict[str, Any], evaluated: dict[str, dict[str, Any]]) -> str:
+    """'tier current/desired, ...' over every tier, this pass's figures over the status's."""
+    merged = {t: dict(s) for t, s in old.items()}
+    for t, s in evaluated.items():
         merged.setdefault(t, {}).update(s)
-    outcome.summary = ", ".join(
+    return ", ".join(
         f"{t.name} {merged.get(t.name, {}).get('currentReplicas', '-')}/{merged.get(t.name, {}).get('desiredReplicas', '-')}"
         for t in spec.tiers
     )
-    return outcome
 
 
 def forget_service(namespace: str, service: str, tiers: list[str]) -> None:

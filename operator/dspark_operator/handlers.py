@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import datetime
 import logging
 import threading
 import time
@@ -20,6 +19,7 @@ from dspark_operator.kube import Kube, connection_settings, load_client_configur
 from dspark_operator.profiling import Event, observe_node_types, reconcile_profile
 from dspark_operator.serving import reconcile_workloads
 from dspark_operator.spec import GROUP, PLURAL, VERSION, ServiceSpec
+from dspark_operator.status import METRICS_CONDITION, condition, ready_profiles, service_status
 
 CONFIG = OperatorConfig.from_env()
 RESOURCE = (GROUP, VERSION, PLURAL)
@@ -64,20 +64,6 @@ def _post(body: dict[str, Any], events: list) -> None:
         kopf.event(body, type=event.type, reason=event.reason, message=event.message)
 
 
-def _condition(old: list[dict], type_: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
-    status = "True" if ok else "False"
-    previous = next((c for c in old if c.get("type") == type_), None)
-    changed = previous is None or previous.get("status") != status
-    now = datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z")
-    return {
-        "type": type_,
-        "status": status,
-        "reason": reason,
-        "message": message,
-        "lastTransitionTime": now if changed else previous.get("lastTransitionTime", now),
-    }
-
-
 def _parse_spec(body: dict[str, Any], patch: kopf.Patch) -> ServiceSpec | None:
     try:
         return ServiceSpec.model_validate(dict(body["spec"]))
@@ -85,7 +71,7 @@ def _parse_spec(body: dict[str, Any], patch: kopf.Patch) -> ServiceSpec | None:
         message = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         old = list((body.get("status") or {}).get("conditions") or [])
         patch.status["phase"] = "Invalid"
-        patch.status["conditions"] = [_condition(old, "SpecValid", False, "InvalidSpec", message)]
+        patch.status["conditions"] = [condition(old, "SpecValid", False, "InvalidSpec", message)]
         return None
 
 
@@ -93,7 +79,6 @@ _RECONCILE_LOCKS: dict[str, threading.Lock] = defaultdict(threading.Lock)
 # The MetricsAvailable condition the autoscaler last set, per service uid: both timers write the
 # status' conditions list, and a reconcile pass must not put back an older one from its snapshot.
 _METRICS_CONDITIONS: dict[str, dict[str, Any]] = {}
-METRICS_CONDITION = "MetricsAvailable"
 
 
 def reconcile(body: dict[str, Any], patch: kopf.Patch, logger: logging.Logger) -> None:
@@ -115,92 +100,49 @@ def _reconcile(body: dict[str, Any], patch: kopf.Patch, logger: logging.Logger) 
     status = body.get("status") or {}
     node_label = spec.node_type_label or CONFIG.node_label
     present = observe_node_types(kube, node_label, spec.node_types)
-
-    old_profiles: dict[str, Any] = status.get("profiles") or {}
-    profiles: dict[str, Any] = {t: None for t in old_profiles if t not in present}  # None removes the key
-    events = []
-    for node_type in present:
-        outcome = reconcile_profile(
-            kube,
-            body,
-            spec,
-            node_label,
-            node_type,
-            old_profiles.get(node_type),
-            now,
-            CONFIG.profile_timeout_grace_seconds,
-        )
-        profiles[node_type] = outcome.status
-        events += outcome.events
-    ready = {t: p["fingerprint"] for t, p in profiles.items() if p and p.get("state") == "Ready"}
-
-    workloads = reconcile_workloads(kube, body, spec, node_label, ready, status.get("tiers") or {})
-    events += workloads.events
-    _post(body, events)
+    profiles, events = _reconcile_profiles(body, spec, node_label, present, status.get("profiles") or {}, now)
+    workloads = reconcile_workloads(
+        kube, body, spec, node_label, ready_profiles(profiles), status.get("tiers") or {}
+    )
+    _post(body, events + workloads.events)
     if workloads.kserve_missing:
         kopf.warn(
             body,
             reason="KServeMissing",
             message="serving.kind InferenceService but KServe's CRD is absent; serving with Deployments",
         )
-
-    tiers_patch = {}
-    for name, placement in workloads.tiers.items():
-        created = placement.pop("created", False)
-        tiers_patch[name] = {**placement, **({"lastScaleTime": now} if created else {})}
-    for name in status.get("tiers") or {}:
-        if name not in workloads.tiers:
-            tiers_patch[name] = None
-    failed = [t for t, p in profiles.items() if p and p.get("state") == "Failed"]
-    deployed = [t for t, p in workloads.tiers.items() if p["state"] == "Deployed"]
-    old_conditions = list(status.get("conditions") or [])
-    conditions = [
-        _condition(old_conditions, "SpecValid", True, "Valid", ""),
-        _condition(
-            old_conditions,
-            "ProfilesReady",
-            bool(ready) and not failed,
-            "Failed" if failed else ("Ready" if ready else "Profiling"),
-            f"ready on {sorted(ready)}" + (f"; failed on {failed}" if failed else "")
-            if present
-            else f"no node carries {node_label} in {list(spec.node_types)}",
-        ),
-        _condition(
-            old_conditions,
-            "TiersDeployed",
-            len(deployed) == len(spec.tiers),
-            "Deployed" if len(deployed) == len(spec.tiers) else "WaitingForProfile",
-            f"{len(deployed)}/{len(spec.tiers)} tiers deployed",
-        ),
-    ]
-    if workloads.kserve_missing:
-        conditions.append(
-            _condition(
-                old_conditions,
-                "KServeAvailable",
-                False,
-                "CRDMissing",
-                "KServe is not installed; using Deployments",
-            )
-        )
-    metrics = _METRICS_CONDITIONS.get(body["metadata"]["uid"]) or next(
-        (c for c in old_conditions if c.get("type") == METRICS_CONDITION), None
-    )
-    if metrics is not None:
-        conditions.append(metrics)
-    phase = (
-        "Ready" if len(deployed) == len(spec.tiers) and not failed else "Degraded" if failed else "Profiling"
-    )
+    metrics = _METRICS_CONDITIONS.get(body["metadata"]["uid"])
+    generation = body["metadata"].get("generation")
     patch.status.update(
-        {
-            "phase": phase,
-            "profiles": profiles,
-            "profilesReady": f"{len(ready)}/{len(present)}",
-            "tiers": tiers_patch,
-            "conditions": conditions,
-            "observedGeneration": body["metadata"].get("generation"),
-        }
+        service_status(spec, status, node_label, present, profiles, workloads, metrics, generation, now)
     )
+
+
+def _reconcile_profiles(
+    body: dict[str, Any],
+    spec: ServiceSpec,
+    node_label: str,
+    present: list[str],
+    old: dict[str, Any],
+    now: float,
+) -> tuple[dict[str, Any], list[Event]]:
+    """Each present node type's profile status (None removes a gone type's), and the events on the way."""
+    profiles: dict[str, Any] = {t: None for t in old if t not in present}
+    events: list[Event] = []
+    for node_type in present:
+        outcome = reconcile_profile(
+            _State.kube,
+            body,
+            spec,
+            node_label,
+            node_type,
+            old.get(node_type),
+            now,
+            CONFIG.profile_timeout_grace_seconds,
+        )
+        profiles[node_type] = outcome.status
+        events += outcome.events
+    return profiles, events
 
 
 @kopf.on.resume(*RESOURCE)
@@ -254,11 +196,9 @@ def _report_metrics_health(body: dict[str, Any], error: str, patch: kopf.Patch) 
         _METRICS_CONDITIONS[uid] = previous
         return
     reason, message = ("Readable", "") if ok else ("Unavailable", f"{error}; replicas held")
-    condition = _condition([previous] if previous else [], METRICS_CONDITION, ok, reason, message)
-    _METRICS_CONDITIONS[uid] = condition
-    patch.status["conditions"] = [c for c in old_conditions if c.get("type") != METRICS_CONDITION] + [
-        condition
-    ]
+    metrics = condition([previous] if previous else [], METRICS_CONDITION, ok, reason, message)
+    _METRICS_CONDITIONS[uid] = metrics
+    patch.status["conditions"] = [c for c in old_conditions if c.get("type") != METRICS_CONDITION] + [metrics]
     if not ok:
         _post(body, [Event("Warning", "MetricsUnavailable", message)])
     elif previous is not None:

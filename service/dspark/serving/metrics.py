@@ -81,6 +81,22 @@ METRIC_NAMES = (
 )
 
 
+class _MetricFactory:
+    """Metrics labelled by model name, in one registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry, self.labels = registry, ["model_name"]
+
+    def counter(self, name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+        return Counter(name, doc, [*self.labels, *extra], registry=self.registry)
+
+    def histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(name, doc, self.labels, buckets=buckets, registry=self.registry)
+
+    def gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, self.labels, registry=self.registry, multiprocess_mode="mostrecent")
+
+
 class ServingMetrics:
     """One replica's metrics in its own registry (`render()` gives the exposition text).
 
@@ -90,68 +106,74 @@ class ServingMetrics:
 
     def __init__(self, model_name: str, calibration_window: int = 2048, sps_smoothing: float = 0.1):
         self.registry = CollectorRegistry(auto_describe=True)
-        r, labels = self.registry, ["model_name"]
-        ProcessCollector(registry=r)  # process_resident_memory_bytes etc. of the replica
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes etc. of the replica
         self._model = model_name
+        self._add_vllm_metrics(_MetricFactory(self.registry))
+        self._add_dspark_metrics(_MetricFactory(self.registry))
+        self._start_series()
+        self._lock = threading.Lock()
+        self._sps_ema: float | None = None
+        self._sps_alpha = sps_smoothing
+        self._calib: deque[tuple[int, int, float]] = deque()  # (draft, accepted, predicted) per step
+        self._calib_window = calibration_window
+        self._calib_sums = [0, 0, 0.0]
 
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(name, doc, [*labels, *extra], registry=r)
-
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=r)
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=r, multiprocess_mode="mostrecent")
-
-        self.num_running = gauge("vllm:num_requests_running", "Requests in the running batch.")
-        self.num_waiting = gauge("vllm:num_requests_waiting", "Requests waiting for a slot.")
-        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
-        self.itl = histogram(
+    def _add_vllm_metrics(self, new: _MetricFactory) -> None:
+        self.num_running = new.gauge("vllm:num_requests_running", "Requests in the running batch.")
+        self.num_waiting = new.gauge("vllm:num_requests_waiting", "Requests waiting for a slot.")
+        self.ttft = new.histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS
+        )
+        self.itl = new.histogram(
             "vllm:inter_token_latency_seconds", "Gap between generated tokens.", _LATENCY_BUCKETS
         )
-        self.e2e = histogram(
+        self.e2e = new.histogram(
             "vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.", _E2E_BUCKETS
         )
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefilled prompt tokens.")
-        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
-        self.prefix_queries = counter(
+        self.prompt_tokens = new.counter("vllm:prompt_tokens", "Prefilled prompt tokens.")
+        self.generation_tokens = new.counter("vllm:generation_tokens", "Generated tokens.")
+        self.prefix_queries = new.counter(
             "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         )
-        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self.num_drafts = counter("vllm:spec_decode_num_drafts", "Verification rounds with a draft.")
-        self.draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.")
-        self.accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
-        self.accepted_per_pos = counter(
+        self.prefix_hits = new.counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.num_drafts = new.counter("vllm:spec_decode_num_drafts", "Verification rounds with a draft.")
+        self.draft_tokens = new.counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.accepted_tokens = new.counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.accepted_per_pos = new.counter(
             "vllm:spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted, by position.",
             ("position",),
         )
-        self.tokens_per_s = histogram(
+
+    def _add_dspark_metrics(self, new: _MetricFactory) -> None:
+        self.tokens_per_s = new.histogram(
             "dspark_request_tokens_per_second", "Per-request decode speed.", _TOKENS_PER_S_BUCKETS
         )
-        self.verify_budget = histogram(
+        self.verify_budget = new.histogram(
             "dspark_verify_budget", "Draft tokens verified per request per step.", _BUDGET_BUCKETS
         )
-        self.verify_batch = histogram(
+        self.verify_batch = new.histogram(
             "dspark_verify_batch_tokens", "Tokens in one verification forward.", _BATCH_BUCKETS
         )
-        self.sps = gauge("dspark_sps_estimate", "Verification steps per second (smoothed, measured).")
-        self.scheduler_s = histogram(
+        self.sps = new.gauge("dspark_sps_estimate", "Verification steps per second (smoothed, measured).")
+        self.scheduler_s = new.histogram(
             "dspark_scheduler_seconds", "Verify-length scheduling time per step.", _SCHED_BUCKETS
         )
-        self.calibration_error = gauge(
+        self.calibration_error = new.gauge(
             "dspark_confidence_calibration_error",
             "|observed - predicted| accepted draft tokens / draft tokens over a recent window.",
         )
-        self.policy_fallbacks = counter(
+        self.policy_fallbacks = new.counter(
             "dspark_policy_fallbacks",
             "Steps scheduled by the safe fixed policy because confidences were unusable.",
         )
-        self.undrafted_steps = counter(
+        self.undrafted_steps = new.counter(
             "dspark_undrafted_steps",
             "Decode steps that ran no drafter (policy none, or the drafting gate found them faster without).",
         )
-        # Create every series up front so dashboards and scrapers see zeros rather than gaps.
+
+    def _start_series(self) -> None:
+        """Create every series up front so dashboards and scrapers see zeros rather than gaps."""
         for metric in (
             self.ttft,
             self.itl,
@@ -175,12 +197,6 @@ class ServingMetrics:
             m.labels(self._model).set(0)
         self.sps.labels(self._model).set(math.nan)
         self.calibration_error.labels(self._model).set(math.nan)
-        self._lock = threading.Lock()
-        self._sps_ema: float | None = None
-        self._sps_alpha = sps_smoothing
-        self._calib: deque[tuple[int, int, float]] = deque()  # (draft, accepted, predicted) per step
-        self._calib_window = calibration_window
-        self._calib_sums = [0, 0, 0.0]
 
     def watch_engine_process(self, pid: Callable[[], int]) -> None:
         """Export the figures of the engine process `pid()` (the current one, after a restart) as
@@ -204,6 +220,18 @@ class ServingMetrics:
         if s.prefix_cache_queries:
             self.prefix_queries.labels(m).inc(s.prefix_cache_queries)
             self.prefix_hits.labels(m).inc(s.prefix_cache_hits)
+        self._observe_speculation(s)
+        if s.verify_batch_tokens:
+            self.verify_batch.labels(m).observe(s.verify_batch_tokens)
+            if s.forward_time_s > 0:
+                self._update_sps(1.0 / s.forward_time_s)
+        predicted = s.predicted_accepted_tokens
+        if predicted is not None and math.isfinite(predicted) and s.num_draft_tokens:
+            self._update_calibration(s.num_draft_tokens, s.num_accepted_tokens, float(predicted))
+
+    def _observe_speculation(self, s: StepStats) -> None:
+        """Drafts, acceptance per position, verify lengths and how the policy chose them."""
+        m = self._model
         if s.num_drafts:
             self.num_drafts.labels(m).inc(s.num_drafts)
         if s.num_draft_tokens:
@@ -215,19 +243,12 @@ class ServingMetrics:
                 self.accepted_per_pos.labels(m, str(pos)).inc(n)
         for budget in s.verify_budgets:
             self.verify_budget.labels(m).observe(budget)
-        if s.verify_batch_tokens:
-            self.verify_batch.labels(m).observe(s.verify_batch_tokens)
-            if s.forward_time_s > 0:
-                self._update_sps(1.0 / s.forward_time_s)
         if s.verify_budgets or s.schedule_time_s:
             self.scheduler_s.labels(m).observe(s.schedule_time_s)
         if s.policy_fallback:
             self.policy_fallbacks.labels(m).inc()
         if s.verify_budgets and not s.drafted:
             self.undrafted_steps.labels(m).inc()
-        predicted = s.predicted_accepted_tokens
-        if predicted is not None and math.isfinite(predicted) and s.num_draft_tokens:
-            self._update_calibration(s.num_draft_tokens, s.num_accepted_tokens, float(predicted))
 
     def _update_sps(self, sps: float) -> None:
         with self._lock:
