@@ -27,10 +27,13 @@ from dspark_operator.scaling import (
 from dspark_operator.serving import set_workload_replicas, workload_replicas
 from dspark_operator.spec import ServiceSpec, TierSpec
 
+# Not `namespace` or `service`: Prometheus gives every scraped series its target's (the operator's
+# pod) and would rename these to exported_*. The names are those the serving series get from the
+# chart's ServiceMonitor relabelings.
 DESIRED_REPLICAS = Gauge(
     "dspark_desired_replicas",
     "Replicas the DSpark operator wants for a service tier",
-    ["namespace", "service", "tier"],
+    ["dspark_namespace", "dspark_service", "dspark_tier"],
 )
 
 

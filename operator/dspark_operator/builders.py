@@ -91,6 +91,20 @@ def _model_volumes(spec: ServiceSpec) -> tuple[list[dict], list[dict]]:
     return [volume], [mount]
 
 
+def _scheduling(spec: ServiceSpec, node_label: str, node_type: str) -> dict[str, Any]:
+    """Pod spec fields placing a pod on one node type: its selector, the GPU toleration and the
+    service's own tolerations, affinity and image pull secrets."""
+    fields: dict[str, Any] = {
+        "nodeSelector": {node_label: node_type},
+        "tolerations": [GPU_TOLERATION, *(t for t in spec.tolerations if t != GPU_TOLERATION)],
+    }
+    if spec.affinity:
+        fields["affinity"] = spec.affinity
+    if spec.image_pull_secrets:
+        fields["imagePullSecrets"] = [{"name": secret.name} for secret in spec.image_pull_secrets]
+    return fields
+
+
 def build_profile_job(
     body: dict[str, Any], spec: ServiceSpec, node_label: str, node_type: str, fingerprint: str
 ) -> dict[str, Any]:
@@ -108,7 +122,8 @@ def build_profile_job(
     }
     annotations = {ANNOTATION_NODE_TYPE: node_type}
     volumes, mounts = _model_volumes(spec)
-    output = f"{pod_security.TMP_DIR}/profile.json"
+    # Through TMPDIR (the pod's /tmp emptyDir): the command names no path of the pod's own.
+    output = '"$TMPDIR/profile.json"'
     script = (
         f'set -e; dspark profile "$@" --output {output}; '
         f"echo '{PROFILE_BEGIN}'; cat {output}; echo; echo '{PROFILE_END}'"
@@ -151,8 +166,7 @@ def build_profile_job(
                     "restartPolicy": "Never",
                     "automountServiceAccountToken": False,
                     "securityContext": pod_security.pod_security_context(spec),
-                    "nodeSelector": {node_label: node_type},
-                    "tolerations": [GPU_TOLERATION],
+                    **_scheduling(spec, node_label, node_type),
                     "containers": [container],
                     "volumes": [*pod_security.writable_volumes(), *volumes],
                 },
@@ -266,8 +280,7 @@ def _serving_pod_spec(
         "automountServiceAccountToken": False,  # the server never calls the Kubernetes API
         "securityContext": pod_security.pod_security_context(spec),
         "terminationGracePeriodSeconds": termination_grace_seconds(spec),
-        "nodeSelector": {node_label: node_type},
-        "tolerations": [GPU_TOLERATION],
+        **_scheduling(spec, node_label, node_type),
         "volumes": [
             {
                 "name": "sps-profile",

@@ -36,6 +36,10 @@ class SecretKeyRef(_Spec):
     key: str = Field("api-key", min_length=1)
 
 
+class PullSecret(_Spec):
+    name: str = Field(min_length=1)
+
+
 class ServingSpec(_Spec):
     kind: Literal["Deployment", "InferenceService"] = "Deployment"
     port: int = Field(8000, ge=1, le=65535)
@@ -92,6 +96,10 @@ class ServiceSpec(_Spec):
     api_key_secret_ref: SecretKeyRef | None = Field(None, alias="apiKeySecretRef")
     run_as_user: int = Field(10001, alias="runAsUser", ge=1)
     resources: dict[str, Any] = Field(default_factory=dict)
+    # Scheduling and image pulls of serving and profiling pods, as core/v1 PodSpec fields.
+    tolerations: tuple[dict[str, Any], ...] = ()
+    affinity: dict[str, Any] = Field(default_factory=dict)
+    image_pull_secrets: tuple[PullSecret, ...] = Field((), alias="imagePullSecrets")
     node_type_label: str | None = Field(None, alias="nodeTypeLabel")
     node_types: tuple[str, ...] = Field(alias="nodeTypes", min_length=1)
     serving: ServingSpec = ServingSpec()

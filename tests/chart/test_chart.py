@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import filecmp
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -12,6 +13,9 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from dspark_operator import builders
+from dspark_operator.autoscaler import DESIRED_REPLICAS
+from dspark_operator.spec import ServiceSpec
 
 from scripts.fetch_helm import fetch_helm
 
@@ -131,6 +135,68 @@ def test_everything_renders_example_monitoring_and_dashboard(helm):
         "dspark_sps_estimate",
     ):
         assert metric in exprs
+
+
+# Labels Prometheus puts on every series it scrapes, from its target (the pod, its Service): a
+# scraped series' own label of one of these names is renamed exported_<name>.
+TARGET_LABELS = {"namespace", "service", "pod", "container", "endpoint", "job", "instance"}
+
+
+def test_dashboard_selects_the_operators_series_by_the_labels_it_keeps(helm):
+    own = set(DESIRED_REPLICAS._labelnames)
+    assert not own & TARGET_LABELS
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in render(helm, EVERYTHING_ON)}
+    dashboard = json.loads(docs[("ConfigMap", "rel-dspark-dashboard")]["data"]["dspark.json"])
+    targets = [t for p in dashboard["panels"] for t in p["targets"] if "dspark_desired_replicas" in t["expr"]]
+    assert targets
+    for target in targets:
+        for matchers in re.findall(r"dspark_desired_replicas\{([^}]*)\}", target["expr"]):
+            assert {m.split("=")[0].strip() for m in matchers.split(",")} <= own, target["expr"]
+        assert set(re.findall(r"\{\{(\w+)\}\}", target["legendFormat"])) <= own, target["legendFormat"]
+
+
+def test_serving_scheduling_values_reach_the_pods_the_operator_builds(helm):
+    toleration = {"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"}
+    affinity = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}
+                ]
+            }
+        }
+    }
+    values = [
+        *EVERYTHING_ON,
+        "--set-json",
+        f"serving.tolerations={json.dumps([toleration])}",
+        "--set-json",
+        f"serving.affinity={json.dumps(affinity)}",
+        "--set-json",
+        'serving.imagePullSecrets=[{"name": "registry"}]',
+    ]
+    example = next(d for d in render(helm, values) if d["kind"] == "DSparkService")
+    jsonschema.validate(example, crd_json_schema())
+    body = {**example, "metadata": {**example["metadata"], "uid": "u-1"}}
+    spec = ServiceSpec.model_validate(example["spec"])
+    tier, node_type = spec.tiers[0], spec.node_types[0]
+    pods = [
+        builders.build_profile_job(body, spec, "gpu", node_type, "fp")["spec"]["template"]["spec"],
+        builders.build_serving_deployment(body, spec, tier, "gpu", node_type, "fp", 1)["spec"]["template"][
+            "spec"
+        ],
+        builders.build_inference_service(body, spec, tier, "gpu", node_type, "fp", 1)["spec"]["predictor"],
+    ]
+    for pod in pods:
+        assert pod["tolerations"] == [builders.GPU_TOLERATION, toleration]
+        assert pod["affinity"] == affinity and pod["imagePullSecrets"] == [{"name": "registry"}]
+    assert not {"tolerations", "affinity", "imagePullSecrets"} & set(
+        next(d for d in render(helm, EVERYTHING_ON) if d["kind"] == "DSparkService")["spec"]
+    )
+    result = run_helm(
+        helm, "template", "rel", str(CHART), "--set-json", 'serving.imagePullSecrets=[{"secret": "x"}]'
+    )
+    assert result.returncode != 0 and "name" in result.stderr
 
 
 def operator_env(docs: list[dict]) -> dict[str, str]:

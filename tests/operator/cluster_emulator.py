@@ -27,7 +27,7 @@ RESOURCES = {
     ),
     "v1/namespaces": kmock.ResourceInfo(kind="Namespace", namespaced=False, verbs={"get", "list", "watch"}),
     "apiextensions.k8s.io/v1/customresourcedefinitions": kmock.ResourceInfo(
-        kind="CustomResourceDefinition", namespaced=False, verbs={"get", "list", "watch"}
+        kind="CustomResourceDefinition", namespaced=False, verbs={"get", "list", "watch", "create"}
     ),
     "v1/events": kmock.ResourceInfo(kind="Event", namespaced=True, verbs={"create", "list"}),
     "v1/nodes": kmock.ResourceInfo(kind="Node", namespaced=False, verbs={"get", "list", "watch", "create"}),
@@ -49,6 +49,20 @@ RESOURCES = {
     "apps/v1/deployments": kmock.ResourceInfo(
         kind="Deployment", namespaced=True, verbs={"get", "list", "create", "patch", "delete"}
     ),
+    # What the chart installs beside the operator's own objects (tests/chart applies it).
+    **{
+        f"{group_version}/{kind.lower()}s": kmock.ResourceInfo(
+            kind=kind, namespaced=namespaced, verbs={"get", "list", "create", "patch", "delete"}
+        )
+        for group_version, kind, namespaced in [
+            ("v1", "ServiceAccount", True),
+            ("rbac.authorization.k8s.io/v1", "Role", True),
+            ("rbac.authorization.k8s.io/v1", "RoleBinding", True),
+            ("rbac.authorization.k8s.io/v1", "ClusterRole", False),
+            ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding", False),
+            ("networking.k8s.io/v1", "NetworkPolicy", True),
+        ]
+    },
 }
 
 

@@ -263,7 +263,8 @@ def test_service_profiles_deploys_scales_and_cleans_up(cluster, operator_running
     last_up = tier["lastScaleTime"]
     assert (
         REGISTRY.get_sample_value(
-            "dspark_desired_replicas", {"namespace": NS, "service": "chat", "tier": "interactive"}
+            "dspark_desired_replicas",
+            {"dspark_namespace": NS, "dspark_service": "chat", "dspark_tier": "interactive"},
         )
         == 4
     )
@@ -301,7 +302,8 @@ def test_service_profiles_deploys_scales_and_cleans_up(cluster, operator_running
         "gauge removed",
         lambda: (
             REGISTRY.get_sample_value(
-                "dspark_desired_replicas", {"namespace": NS, "service": "chat", "tier": "interactive"}
+                "dspark_desired_replicas",
+                {"dspark_namespace": NS, "dspark_service": "chat", "dspark_tier": "interactive"},
             )
             is None
         ),

@@ -284,7 +284,36 @@ def test_every_pod_is_restricted_with_writable_caches_on_empty_dirs():
         for var in ("DSPARK_HOME", "HF_HOME", "TORCHINDUCTOR_CACHE_DIR", "TORCH_EXTENSIONS_DIR", "TMPDIR"):
             assert any(env[var] == d or env[var].startswith(d + "/") for d in writable), (name, var)
     command = built_pods(ServiceSpec.model_validate(SERVICE["spec"]))["profile"]["containers"][0]["command"]
-    assert "--output /tmp/profile.json" in command[2]
+    assert '--output "$TMPDIR/profile.json"' in command[2]  # TMPDIR: checked writable above
+
+
+def test_tolerations_affinity_and_pull_secrets_reach_every_pod():
+    tolerations = [
+        {"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"},
+        builders.GPU_TOLERATION,  # given again: kept once
+    ]
+    affinity = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}
+                ]
+            }
+        }
+    }
+    secrets = [{"name": "registry"}]
+    body = service(tolerations=tolerations, affinity=affinity, imagePullSecrets=secrets)
+    jsonschema.validate(body, to_json_schema(crd_schema()))
+    for name, pod in built_pods(ServiceSpec.model_validate(body["spec"])).items():
+        assert pod["tolerations"] == [builders.GPU_TOLERATION, tolerations[0]], name
+        assert pod["affinity"] == affinity and pod["imagePullSecrets"] == secrets, name
+        assert pod["nodeSelector"] == {"gpu": "H200"}, name
+    for name, pod in built_pods(ServiceSpec.model_validate(SERVICE["spec"])).items():
+        assert pod["tolerations"] == [builders.GPU_TOLERATION], name
+        assert "affinity" not in pod and "imagePullSecrets" not in pod, name
+    bad = service(imagePullSecrets=[{"secret": "registry"}])
+    with pytest.raises(jsonschema.ValidationError, match="'name' is a required property"):
+        jsonschema.validate(bad, to_json_schema(crd_schema()))
 
 
 def test_the_api_key_comes_from_its_secret_and_never_reaches_profiling_jobs():
