@@ -6,11 +6,13 @@ FROM python:3.11-slim
 
 # Every cache under /var/cache/dspark, so the image runs on a read-only root filesystem with
 # /var/cache/dspark and /tmp writable (the operator's pods mount emptyDirs there and set the same).
+# HOME too: ray.init writes its auth token to ~/.ray and fails where it cannot.
 # DSPARK_HOST: the server must be reachable through a published port (docker run -p), not only on
 # the container's own loopback (the default outside containers).
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
+    HOME=/var/cache/dspark/home \
     DSPARK_HOME=/var/cache/dspark/dspark \
     HF_HOME=/var/cache/dspark/huggingface \
     XDG_CACHE_HOME=/var/cache/dspark \

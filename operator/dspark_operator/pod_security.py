@@ -13,9 +13,11 @@ TMP_DIR = "/tmp"
 
 # Where `dspark serve` and `dspark profile` write, each pointed into an emptyDir: the model pulled
 # by name and the SPS profile measured at start-up (DSPARK_HOME), transformers' caches, inductor's
-# compiled graphs, the CPU attention kernel's build, Triton's and CUDA's JIT caches, and Ray's
-# session directory with its sockets and logs (under TMPDIR).
+# compiled graphs, the CPU attention kernel's build, Triton's and CUDA's JIT caches, Ray's
+# session directory with its sockets and logs (under TMPDIR), and HOME, where ray.init writes its
+# auth token (~/.ray/auth_token; it fails on a read-only home).
 WRITABLE_ENV = {
+    "HOME": f"{CACHE_DIR}/home",
     "DSPARK_HOME": f"{CACHE_DIR}/dspark",
     "HF_HOME": f"{CACHE_DIR}/huggingface",
     "XDG_CACHE_HOME": CACHE_DIR,

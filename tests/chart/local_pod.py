@@ -6,8 +6,9 @@ onto this machine:
 - an env value under a mount path points into that volume's directory. The argv must not name a
   mount path itself: a command reaches its volumes through its environment, so it runs anywhere;
 - the container image's `dspark` and `python` are this interpreter's (PATH, PYTHONPATH);
-- the root filesystem is read-only as in the pod: HOME and the working directory are read-only
-  directories, so a write outside the volumes fails here as it would there;
+- the root filesystem is read-only in the pod: HOME and the working directory are an empty
+  directory of the pod's own, mode 0555, and `written_to_rootfs()` lists what landed there anyway
+  (root ignores the mode), each a write that fails in the pod;
 - `flags` replaces the values of flags the caller names (each must be in the argv), and
   `extra_args` and `extra_env` add to them, for what this machine cannot give as the cluster
   would: the GPU, the pod's own network address and port, the hub.
@@ -33,9 +34,13 @@ class LocalPod:
     name: str
     proc: subprocess.Popen
     log_path: Path
+    rootfs: Path
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def written_to_rootfs(self) -> list[Path]:
+        return sorted(self.rootfs.rglob("*"))
 
     def stop(self, timeout: float = 60) -> None:
         """SIGTERM as the kubelet sends it, then whatever of the pod's process group is left."""
@@ -134,4 +139,4 @@ def start_pod(
         proc = subprocess.Popen(
             argv, cwd=readonly, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
-    return LocalPod(name, proc, log_path)
+    return LocalPod(name, proc, log_path, readonly)

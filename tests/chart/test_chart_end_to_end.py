@@ -185,7 +185,7 @@ def http_ok(url: str) -> bool:
         return False
 
 
-def run_profiling_job(cluster: EmulatedCluster, kube: Kube, job: dict, root: Path, hub: str) -> None:
+def run_profiling_job(cluster: EmulatedCluster, kube: Kube, job: dict, root: Path, hub: str) -> LocalPod:
     """The Job controller and the kubelet: the Job's pod runs to its end; its log and status land."""
     name = job["metadata"]["name"]
     pod_spec = job["spec"]["template"]["spec"]
@@ -214,6 +214,7 @@ def run_profiling_job(cluster: EmulatedCluster, kube: Kube, job: dict, root: Pat
         name,
         {"status": {"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]}},
     )
+    return pod
 
 
 def serving_deployment(kube: Kube, service_name: str) -> tuple[dict, dict]:
@@ -282,7 +283,7 @@ def test_the_charts_example_answers_its_documented_first_requests(
         operator = pods.enter_context(operator_pod(operator_deployment, kubeconfig, pod_root / "op"))
 
         (job,) = wait_for("the profiling Job", lambda: kube.list("Job", NAMESPACE), 60, (operator,))
-        run_profiling_job(cluster, kube, job, pod_root / "job", hub.endpoint)
+        profiling = run_profiling_job(cluster, kube, job, pod_root / "job", hub.endpoint)
 
         tiers = [t["name"] for t in example["spec"]["tiers"]]
         wait_for(
@@ -338,3 +339,5 @@ def test_the_charts_example_answers_its_documented_first_requests(
             assert choice["message"]["role"] == "assistant" and choice["message"]["content"].strip(), data
             assert choice["finish_reason"] in ("stop", "length"), data
             assert 1 <= data["usage"]["completion_tokens"] <= request["body"]["max_tokens"], data
+    for pod in (operator, profiling, serving):
+        assert not pod.written_to_rootfs(), f"{pod.name} wrote outside its volumes: {pod.written_to_rootfs()}"

@@ -281,7 +281,14 @@ def test_every_pod_is_restricted_with_writable_caches_on_empty_dirs():
         empty_dirs = {v["name"] for v in pod["volumes"] if "emptyDir" in v}
         writable = [m["mountPath"] for m in container["volumeMounts"] if m["name"] in empty_dirs]
         env = {e["name"]: e.get("value") for e in container["env"]}
-        for var in ("DSPARK_HOME", "HF_HOME", "TORCHINDUCTOR_CACHE_DIR", "TORCH_EXTENSIONS_DIR", "TMPDIR"):
+        for var in (
+            "HOME",
+            "DSPARK_HOME",
+            "HF_HOME",
+            "TORCHINDUCTOR_CACHE_DIR",
+            "TORCH_EXTENSIONS_DIR",
+            "TMPDIR",
+        ):
             assert any(env[var] == d or env[var].startswith(d + "/") for d in writable), (name, var)
     command = built_pods(ServiceSpec.model_validate(SERVICE["spec"]))["profile"]["containers"][0]["command"]
     assert '--output "$TMPDIR/profile.json"' in command[2]  # TMPDIR: checked writable above
