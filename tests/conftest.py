@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 from pathlib import Path
 
@@ -23,6 +25,41 @@ os.environ.setdefault("DSPARK_COMPILE", "0")
 # OpenMP pools spin against each other.
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+
+def _libc_trim():
+    """glibc's malloc_trim, or None off glibc."""
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _libc_trim()
+
+
+def pytest_collection_finish(session):
+    """Everything imported so far lives for the whole session: freeze it, so the full collections
+    after each module (below) walk only the objects the tests made."""
+    gc.collect()
+    gc.freeze()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a module's last test (its module fixtures are torn down by then), free what they held.
+
+    Engines sit in reference cycles, which only a full collection frees, and with torch imported
+    those run rarely; glibc keeps freed heap pages in its arenas until trimmed. An xdist worker
+    runs dozens of modules: without this, what each one left stayed resident for the session.
+    """
+    result = yield
+    if nextitem is None or nextitem.path != item.path:
+        gc.collect()
+        if _MALLOC_TRIM is not None:
+            _MALLOC_TRIM(0)
+    return result
+
 
 TINY = dict(
     vocab_size=64,
@@ -68,7 +105,7 @@ def smollm_dir() -> Path:
     return pull_model("smollm2-135m", progress=False)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smollm_engine_fp32(smollm_dir):
     from dspark.drafters.ngram import NgramDrafter
     from transformers import AutoTokenizer
