@@ -11,9 +11,9 @@ Usage:
 memorize: the target answers `--sequences` greedy-corpus prompts greedily (plain decoding, as the
 replay will), and CONFIG's drafter trains on those answers alone, every response position an
 anchor each step, until position-1 acceptance (soft and greedy) reaches `--until` or the steps
-run out; then it is exported to OUT/final. ablate: per-position acceptance of each drafter on the
-greedy answers of the bench split (or `--prompts`), with the target features and with them zeroed.
-Both write JSON under OUT and print one line per evaluation.
+run out; OUT/final is the drafter at the last evaluated step. ablate: per-position acceptance of
+each drafter on the greedy answers of the bench split (or `--prompts`), with the target features
+and with them zeroed. Both write JSON under OUT and print one line per evaluation.
 """
 
 from __future__ import annotations
@@ -112,11 +112,11 @@ def memorize(args: argparse.Namespace) -> None:
         with open(log_path, "a") as f:
             f.write(json.dumps(row) + "\n")
         print(json.dumps(row), flush=True)
+        final = trainer.export(out / "final")  # each evaluated point: a run cut short still replays
         done = min(acc.soft[0], acc.greedy[0]) >= args.until
         if done or trainer.step >= trainer.total:
             break
         trainer.train(progress=False, stop_after=args.eval_every)
-    final = trainer.export(out / "final")
     ablated = block_acceptance(trainer, batches, zero_features=True)
     summary = {
         "config": str(args.config),
