@@ -106,6 +106,7 @@ def test_bench_acceptance_decodes_a_prompt_file(tiny_pair, tmp_path):
     report = json.loads((out / "acceptance.json").read_text())
     assert sorted(report["runs"][0]["domains"]) == ["code", "mine"]
     assert report["meta"]["num_prompts"] == 2 and report["meta"]["prompts"] == str(prompts)
+    assert f"the 2 prompts of `{prompts}`" in (out / "acceptance.md").read_text()
 
 
 @pytest.mark.parametrize(

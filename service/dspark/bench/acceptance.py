@@ -150,10 +150,16 @@ def ratios(summaries: list[dict]) -> list[dict]:
 def format_markdown(summaries: list[dict], meta: dict) -> str:
     """Tau table (drafter x gamma x temperature -> per-domain and macro tau), ratios, per-position acceptance."""
     domains = list(dict.fromkeys(d for s in summaries for d in s["domains"]))
+    prompts = meta.get("prompts", "bench split")
+    source = (
+        f"{meta['num_prompts']} held-out bench prompts per domain"
+        if prompts == "bench split"
+        else f"the {meta['num_prompts']} prompts of `{prompts}`"
+    )
     lines = [
         "# Acceptance benchmark",
         "",
-        f"Target `{meta['target']}`, {meta['num_prompts']} held-out bench prompts per domain, "
+        f"Target `{meta['target']}`, {source}, "
         f"max_tokens {meta['max_tokens']}, whole block verified every round (no scheduler). "
         "tau = 1 + accepted draft tokens per round (bonus included), full-block rounds only.",
         "",
