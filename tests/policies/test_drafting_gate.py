@@ -126,6 +126,18 @@ def test_gate_drafts_until_it_remembers_memory_rows_of_confidences() -> None:
     assert not drafts(gate, 16, 0.001, 0.001)
 
 
+def test_gate_judges_after_judge_steps_drafted_steps_at_one_request() -> None:
+    """At one request memory_rows rows take as many drafted steps; judge_steps of them are evidence
+    enough to stop drafting that does not pay (an exploration renews them later)."""
+    gate = gate_with(memory_rows=64, judge_steps=8)
+    gate.cost.observe(1, 0.005)  # twice the forward
+    for _ in range(7):
+        gate.remember(torch.full((1, 7), 0.3, dtype=torch.float64))
+        assert drafts(gate, 1, 0.001, 0.001)
+    gate.remember(torch.full((1, 7), 0.3, dtype=torch.float64))
+    assert not drafts(gate, 1, 0.001, 0.001)
+
+
 def test_gate_skips_expensive_drafting_of_unlikely_tokens_and_keeps_cheap_likely_drafts() -> None:
     expensive = gate_with(memory_rows=16)
     expensive.cost.observe(16, 0.005)  # twice the forward
@@ -208,19 +220,36 @@ def test_exploration_is_counted_per_request_count() -> None:
 
 def test_exploration_at_one_request_renews_a_quarter_of_the_pool() -> None:
     """At one request an explored step adds one row: the gate drafts a burst of memory_rows / 4
-    steps, enough for better confidences (the load changed) to switch drafting back on."""
+    steps, enough for better confidences (the load changed) to switch drafting back on, after
+    explore_every skipped steps per step of the burst (exploring takes the same share of steps)."""
     gate = gate_with(explore_every=4, memory_rows=64)
     gate.cost.observe(1, 0.0005)
     for _ in range(64):
         gate.remember(torch.full((1, 7), 0.05, dtype=torch.float64))
-    decisions = [drafts(gate, 1, 0.0002, 0.0002) for _ in range(28)]
-    assert decisions == [False] * 4 + [True] * 16 + [False] * 8  # nothing changed: the interval doubled
+    decisions = [drafts(gate, 1, 0.0002, 0.0002) for _ in range(64 + 16 + 128)]
+    assert decisions == [False] * 64 + [True] * 16 + [False] * 128  # nothing changed: the interval doubled
     burst = []
     for _ in range(16):
         burst.append(drafts(gate, 1, 0.0002, 0.0002))
         gate.remember(torch.full((1, 7), 0.95, dtype=torch.float64))  # the drafts are good now
     assert all(burst)
     assert all(drafts(gate, 1, 0.0002, 0.0002) for _ in range(10))
+
+
+def test_an_exploration_step_that_verifies_nothing_ends_its_burst() -> None:
+    """On a steep curve the scheduler verifies none of the explored drafts: the rest of the burst
+    would draft for nothing, so the gate goes back to skipping (and doubles the interval)."""
+    gate = gate_with(explore_every=4, memory_rows=64)
+    gate.cost.observe(1, 0.0005)
+    for _ in range(64):
+        gate.remember(torch.full((1, 7), 0.05, dtype=torch.float64))
+    assert not any(drafts(gate, 1, 0.0002, 0.0002) for _ in range(64))
+    assert drafts(gate, 1, 0.0002, 0.0002)  # the exploration
+    gate.verified(1)  # something verified: the burst goes on
+    assert drafts(gate, 1, 0.0002, 0.0002)
+    gate.verified(0)
+    decisions = [drafts(gate, 1, 0.0002, 0.0002) for _ in range(129)]
+    assert decisions == [False] * 128 + [True]
 
 
 def test_pool_keeps_the_newest_steps_covering_memory_rows_zero_padded() -> None:

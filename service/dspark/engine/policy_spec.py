@@ -57,7 +57,8 @@ class PolicySettings(BaseModel):
     # The drafting gate.
     min_gain: float = Field(0.01, ge=0)  # drafting must promise this much more than plain decoding
     memory_rows: int = Field(64, ge=1)  # confidence rows of recent drafted steps the gate judges by
-    explore_every: int = Field(32, ge=1)  # skipped steps in a row before one drafts anyway
+    judge_steps: int = Field(8, ge=1)  # drafted steps after which it judges on fewer rows than that
+    explore_every: int = Field(32, ge=1)  # skipped steps in a row per burst step before drafting anyway
     reuse_steps: int = Field(4, ge=1)  # evaluations a horizon's expected rate is reused for
     draft_cost_alpha: float = Field(0.2, gt=0, le=1)  # EWMA rate of measured drafting times
     overhead_alpha: float = Field(0.1, gt=0, le=1)  # same, a step's time outside forward and drafting

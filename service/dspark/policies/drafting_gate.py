@@ -83,9 +83,10 @@ class _Exploration:  # the gate's exploration at one request count R
 
 class DraftingGate:
     """Drafts R requests h positions only when `expected_rate` over the first h confidences of recent
-    drafted steps' rows (at least `memory_rows`: one unlucky draft cannot switch drafting off) beats
-    plain decoding's R / (other' + 1 / SPS(R)) by `min_gain`; per R, `explore_every` skipped steps
-    in a row trigger a burst that renews a quarter of the rows (see docs/scheduler.md)."""
+    drafted steps' rows (`memory_rows` of them, or those of `judge_steps` steps: one unlucky draft
+    cannot switch drafting off) beats plain decoding's R / (other' + 1 / SPS(R)) by `min_gain`; per R,
+    `explore_every` skipped steps in a row per step of its burst trigger a burst that renews a quarter
+    of the rows (see docs/scheduler.md)."""
 
     def __init__(self, settings: PolicySettings = PolicySettings()) -> None:
         self.settings, self.cost = settings, DraftCost(settings.draft_cost_alpha)
@@ -127,20 +128,29 @@ class DraftingGate:
         self._pool[: kept.shape[0], : kept.shape[1]] = kept
         self._pool[kept.shape[0] :, : confidences.shape[1]] = confidences
 
+    def verified(self, draft_tokens: int) -> None:
+        """A drafted step verified `draft_tokens`: none ends an exploration burst, whose fresh rows
+        could only have said again that drafting does not pay."""
+        if not draft_tokens:
+            self._burst_left = 0
+
     def draft_horizon(self, num_requests: int, forward_sps: SpsFn, horizons: Sequence[int]) -> int:
         """The horizon among `horizons` with the highest expected rate, or 0 when none beats not
         drafting by `min_gain`. Forced drafting takes the widest."""
         s, widest = self.settings, max(horizons)
-        unmeasured = self.cost.seconds(num_requests, widest) is None or self._pool.shape[0] < s.memory_rows
-        if num_requests < 1 or unmeasured:
+        few_rows = self._pool.shape[0] < s.memory_rows and len(self._shapes) < s.judge_steps
+        if num_requests < 1 or self.cost.seconds(num_requests, widest) is None or few_rows:
             return widest
         if self._burst_left > 0:
             self._burst_left -= 1
             return widest
-        at_r = self._exploration.setdefault(num_requests, _Exploration(s.explore_every))
+        # At one request a burst is memory_rows / 4 drafted steps: the skips before it scale with it,
+        # so that exploring costs no larger share of the steps at one request than at many.
+        burst = math.ceil(s.memory_rows / (4 * num_requests))
+        at_r = self._exploration.setdefault(num_requests, _Exploration(s.explore_every * burst))
         if at_r.skipped >= at_r.interval:
             at_r.skipped, at_r.explored = 0, True
-            self._burst_left = math.ceil(s.memory_rows / (4 * num_requests)) - 1
+            self._burst_left = burst - 1
             return widest
         explored, at_r.explored = at_r.explored, False
         if self.plain_other_s is None:  # skip one step to measure it
@@ -156,11 +166,11 @@ class DraftingGate:
         rates = [self._rate(num_requests, h, forward_sps) for h in candidates]
         best = rates.index(max(rates))  # ties go to the cheaper, narrower one
         if rates[best] > without * (1.0 + s.min_gain):
-            at_r.skipped, at_r.interval = 0, s.explore_every
+            at_r.skipped, at_r.interval = 0, s.explore_every * burst
             # A wider horizon offered than the rows cover: draft it, so its positions get judged.
             return widest if widest > width else candidates[best]
         if explored:
-            at_r.interval = min(2 * at_r.interval, 8 * s.explore_every)
+            at_r.interval = min(2 * at_r.interval, 8 * s.explore_every * burst)
         at_r.skipped += 1
         self.skipped_steps += 1
         return 0

@@ -115,6 +115,7 @@ class DSparkPolicy(ConfidencePolicy):
             self.split.skip()
         if num_requests:
             self._longest = int(lengths.max())
+            self.gate.verified(int(lengths.sum()))
         return lengths
 
     def _lengths(self, confidences: np.ndarray) -> torch.Tensor:
