@@ -155,12 +155,13 @@ def ablate(args: argparse.Namespace) -> None:
         answers = out / f"answers-bench-{args.num_prompts}.jsonl"
     samples = answer(base, prompts, args.max_tokens, answers)
     sequences = with_features(base, samples)
-    batches = every_anchor_batches(sequences, base.drafter.block_size)
     results = []
     for spec in [s.strip() for s in args.drafters.split(",") if s.strip()]:
         path = resolve_drafter_dir(spec, base.target)
         with tempfile.TemporaryDirectory() as scratch:
             trainer = trainer_for(derived(base, out_dir=Path(scratch), warm_start=path), sequences)
+            # Packed after the trainer has set the sequences' target normalisers.
+            batches = every_anchor_batches(sequences, base.drafter.block_size)
             row = {"drafter": spec, "prompts": str(answers)}
             for label, zero in (("features", False), ("zeroed", True)):
                 row[label] = block_acceptance(trainer, batches, zero_features=zero).as_dict()
