@@ -52,26 +52,52 @@ class ThreadSensitiveTarget(FakeTarget):
         self.calls.append(torch.get_num_threads())
 
 
-@pytest.mark.parametrize("seconds, single", [({1: 2.0, 2: 1.0}, 2), ({1: 1.0, 2: 1.5}, 1)])
-def test_a_lone_requests_threads_are_the_faster_count_timed_on_the_engine(
-    monkeypatch, restore_threads, seconds, single
-):
-    target = ThreadSensitiveTarget(seconds)
-    monkeypatch.setattr(profiler, "time", SimpleNamespace(perf_counter=lambda: target.now))
+def timing_engine(target: FakeTarget) -> SimpleNamespace:
     engine = fake_timing_engine(target)
     engine.has_unfinished_requests = lambda: False
     engine.max_model_len, engine.config = 64, SimpleNamespace(max_batch_tokens=16)
+    engine.model_name, engine.dtype = "fake-model", torch.float32
+    return engine
+
+
+@pytest.mark.parametrize("seconds, single", [({1: 2.0, 2: 1.0}, 2), ({1: 1.0, 2: 1.5}, 1)])
+def test_a_lone_requests_threads_are_the_faster_count_timed_on_the_engine(
+    monkeypatch, tmp_path, restore_threads, seconds, single
+):
+    monkeypatch.setenv("DSPARK_HOME", str(tmp_path))
+    target = ThreadSensitiveTarget(seconds)
+    monkeypatch.setattr(profiler, "time", SimpleNamespace(perf_counter=lambda: target.now))
+    engine = timing_engine(target)
     torch.set_num_threads(3)
 
     plan = ThreadPlan(single=1, batch=2, time_single=True).timed(engine)
 
     assert plan == ThreadPlan(single=single, batch=2)
+    assert dict(plan.timed_s) == seconds
     assert torch.get_num_threads() == 3  # restored
     timed = [n for n in target.calls if n != 3]  # the context fill runs at the caller's count
     assert timed.count(1) == timed.count(2) >= 12
     calls = len(target.calls)
     assert ThreadPlan(1, 2).timed(engine) == ThreadPlan(1, 2)  # nothing to time: no forward
     assert len(target.calls) == calls
+    # The next start on this model, dtype, CPU and forward reuses the timings: no forward at all.
+    again = ThreadPlan(single=1, batch=2, time_single=True).timed(engine)
+    assert again == plan and dict(again.timed_s) == seconds
+    assert len(target.calls) == calls
+    assert len(list((tmp_path / "profiles").glob("fake-model__*__threads-1-2.json"))) == 1
+
+
+def test_thread_timings_are_taken_again_when_not_stored(monkeypatch, tmp_path, restore_threads):
+    monkeypatch.setenv("DSPARK_HOME", str(tmp_path))
+    monkeypatch.setenv("DSPARK_STORE_THREAD_TIMINGS", "0")
+    target = ThreadSensitiveTarget({1: 1.0, 2: 1.5})
+    monkeypatch.setattr(profiler, "time", SimpleNamespace(perf_counter=lambda: target.now))
+    engine = timing_engine(target)
+    for _ in range(2):
+        calls = len(target.calls)
+        assert ThreadPlan(single=1, batch=2, time_single=True).timed(engine) == ThreadPlan(1, 2)
+        assert len(target.calls) - calls >= 24
+    assert not (tmp_path / "profiles").exists()
 
 
 def test_fewer_threads_only_where_clearly_faster():

@@ -228,10 +228,11 @@ class LLMEngine:
         if plan.empty:
             return []
         draft, report = drafting.draft(self.drafter, self.policy, plan.decodes, horizon, self.device)
-        forward, forward_time = self._run(plan, draft)
+        forward, forward_time, forward_cpu = self._run(plan, draft)
         verified = verify(plan, draft, forward, self.device)
         outputs = postprocess(plan, draft, verified, forward, self.drafter, self.eos_ids, self._finish)
-        self._record(plan, draft, report, verified.accepted, (forward_time, time.perf_counter() - started))
+        times = (forward_time, time.perf_counter() - started, forward_cpu)
+        self._record(plan, draft, report, verified.accepted, times)
         return outputs
 
     def _take_background_build(self) -> None:
@@ -262,13 +263,14 @@ class LLMEngine:
     def _schedule(self, horizon: int) -> StepPlan:
         return self.scheduler.schedule(tokens_per_decode=1 + horizon)
 
-    def _run(self, plan: StepPlan, draft: drafting.Draft) -> tuple[StepForward, float]:
-        started = time.perf_counter()
+    def _run(self, plan: StepPlan, draft: drafting.Draft) -> tuple[StepForward, float, float]:
+        """The step's forward, its seconds, and the process's CPU seconds meanwhile."""
+        started, cpu_started = time.perf_counter(), time.process_time()
         drafts = drafting.draft_lists(draft)
         forward = self.static_runner.run(plan, drafts) if self.static_runner is not None else None
         if forward is None:  # a prompt chunk, or outside every bucket
             forward = self.runner.run(plan, drafts, self.drafter.target_layers)
-        return forward, time.perf_counter() - started
+        return forward, time.perf_counter() - started, time.process_time() - cpu_started
 
     def _record(
         self,
@@ -276,13 +278,14 @@ class LLMEngine:
         draft: drafting.Draft,
         report: drafting.DraftReport,
         accepted: list[int],
-        times: tuple[float, float],
+        times: tuple[float, float, float],
     ) -> None:
-        """Fold the step's statistics; `times`: (forward, whole step) seconds."""
+        """Fold the step's statistics; `times`: (forward, whole step) seconds and the forward's CPU seconds."""
         queues = (self.num_running, self.num_waiting)
         cache = self.scheduler.prefix_cache
         prefix = cache.take_counts() if cache is not None else (0, 0)
-        stats = step_stats(plan, draft, report, accepted, self.drafter.gamma, queues, prefix, *times)
+        stats = step_stats(plan, draft, report, accepted, self.drafter.gamma, queues, prefix, *times[:2])
+        stats.forward_cpu_s, stats.intra_op_threads = times[2], torch.get_num_threads()
         if not plan.prefills:  # mixed prefill steps would skew the verification-time estimate
             self.policy.observe_step(stats)
         self.last_step_stats = stats

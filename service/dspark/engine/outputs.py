@@ -78,3 +78,9 @@ class StepStats:
     schedule_time_s: float = 0.0
     forward_time_s: float = 0.0
     step_time_s: float = 0.0
+    forward_cpu_s: float = 0.0  # the process's CPU seconds during the forward (every thread's)
+    intra_op_threads: int = 0  # torch's intra-op threads during the forward
+    # What the forward should have taken, from a start-up measurement, and which one: "thread_plan"
+    # (the one-request timing) or "profile" (the SPS profile); None where neither applies.
+    predicted_forward_s: float | None = None
+    prediction_source: str = ""

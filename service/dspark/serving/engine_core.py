@@ -15,7 +15,7 @@ import os
 import sys
 import threading
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dspark.engine.outputs import RequestOutput
 from dspark.serving.config import ServeConfig
@@ -33,6 +33,9 @@ from dspark.serving.engine_messages import (
 from dspark.serving.grammar_jobs import GrammarJobs
 from dspark.serving.runtime import STARTED_AT_ENV
 from dspark.serving.threads import GOMP_CPU_AFFINITY, ThreadPlan
+
+if TYPE_CHECKING:
+    from dspark.serving.step_prediction import StepPredictor
 
 # Named, not __name__: run as `python -m`, this module is __main__, outside the dspark logger.
 log = logging.getLogger("dspark.serving.engine_core")
@@ -53,10 +56,17 @@ class EngineCore:
     tells the replica that the loop is alive although no step runs.
     """
 
-    def __init__(self, engine: Any, conn: Connection, thread_plan: ThreadPlan | None = None):
+    def __init__(
+        self,
+        engine: Any,
+        conn: Connection,
+        thread_plan: ThreadPlan | None = None,
+        predictor: StepPredictor | None = None,
+    ):
         self.engine = engine
         self.conn = conn
         self.thread_plan = thread_plan
+        self.predictor = predictor  # what each step should take, for the replica's `StepPace`
         self._live: set[str] = set()
         self._report = StepReport()
         self._sizes = (0, 0)
@@ -181,6 +191,8 @@ class EngineCore:
         stats = getattr(self.engine, "last_step_stats", None)
         # A step that scheduled nothing keeps the previous step's stats: never count them twice.
         if stats is not None and stats is not self._last_stats:
+            if self.predictor is not None:
+                self.predictor.annotate(stats)
             self._report.stats = stats
             self._last_stats = stats
 
@@ -293,7 +305,7 @@ def main(argv: list[str]) -> int:
     except OSError:
         return 0
     try:
-        return EngineCore(engine, conn, plan).run()
+        return EngineCore(engine, conn, plan, _step_predictor(engine, plan)).run()
     finally:
         _end_own_children()
 
@@ -355,6 +367,13 @@ def _thread_plan(config: Any, engine: Any) -> ThreadPlan | None:
     if isinstance(engine, LLMEngine) and engine.device.type == "cpu":
         plan = plan.timed(engine)
     return plan
+
+
+def _step_predictor(engine: Any, plan: ThreadPlan | None) -> StepPredictor:
+    # Here, not at the top, for the reason `_thread_plan` gives.
+    from dspark.serving.step_prediction import StepPredictor
+
+    return StepPredictor.of(engine, plan)
 
 
 if __name__ == "__main__":

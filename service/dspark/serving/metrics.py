@@ -10,6 +10,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 
 from dspark.engine.outputs import StepStats
+from dspark.serving.step_pace import SLOW_FACTOR, SOURCES, StepPace
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -78,6 +79,10 @@ METRIC_NAMES = (
     "dspark_confidence_calibration_error",
     "dspark_policy_fallbacks_total",
     "dspark_undrafted_steps_total",
+    "dspark_step_slowdown",
+    "dspark_slow_steps_total",
+    "dspark_intra_op_parallelism",
+    "dspark_openmp_team_collapsed",
 )
 
 
@@ -110,6 +115,7 @@ class ServingMetrics:
         self._model = model_name
         self._add_vllm_metrics(_MetricFactory(self.registry))
         self._add_dspark_metrics(_MetricFactory(self.registry))
+        self._add_pace_metrics(_MetricFactory(self.registry))
         self._start_series()
         self._lock = threading.Lock()
         self._sps_ema: float | None = None
@@ -172,6 +178,28 @@ class ServingMetrics:
             "Decode steps that ran no drafter (policy none, or the drafting gate found them faster without).",
         )
 
+    def _add_pace_metrics(self, new: _MetricFactory) -> None:
+        self.step_slowdown = new.gauge(
+            "dspark_step_slowdown",
+            "Median step time (less drafting) / the forward time start-up measurements predict, "
+            "recent steps.",
+        )
+        self.slow_steps = new.counter(
+            "dspark_slow_steps",
+            f"Steps that took {SLOW_FACTOR:g}x their predicted forward time or more, by the prediction's "
+            "source (thread_plan: the one-request start-up timing; profile: the SPS profile).",
+            ("source",),
+        )
+        self.parallelism = new.gauge(
+            "dspark_intra_op_parallelism",
+            "Process CPU seconds per second of recent forwards on several intra-op threads.",
+        )
+        self.team_collapsed = new.gauge(
+            "dspark_openmp_team_collapsed",
+            "1 while recent steps run much slower than predicted on a team of threads that runs as one.",
+        )
+        self.pace = StepPace()
+
     def _start_series(self) -> None:
         """Create every series up front so dashboards and scrapers see zeros rather than gaps."""
         for metric in (
@@ -196,6 +224,11 @@ class ServingMetrics:
         for m in (self.num_running, self.num_waiting):
             m.labels(self._model).set(0)
         self.sps.labels(self._model).set(math.nan)
+        for source in SOURCES:
+            self.slow_steps.labels(self._model, source)
+        for m in (self.step_slowdown, self.parallelism):
+            m.labels(self._model).set(math.nan)
+        self.team_collapsed.labels(self._model).set(0)
         self.calibration_error.labels(self._model).set(math.nan)
 
     def watch_engine_process(self, pid: Callable[[], int]) -> None:
@@ -228,6 +261,7 @@ class ServingMetrics:
         predicted = s.predicted_accepted_tokens
         if predicted is not None and math.isfinite(predicted) and s.num_draft_tokens:
             self._update_calibration(s.num_draft_tokens, s.num_accepted_tokens, float(predicted))
+        self._observe_pace(s)
 
     def _observe_speculation(self, s: StepStats) -> None:
         """Drafts, acceptance per position, verify lengths and how the policy chose them."""
@@ -249,6 +283,18 @@ class ServingMetrics:
             self.policy_fallbacks.labels(m).inc()
         if s.verify_budgets and not s.drafted:
             self.undrafted_steps.labels(m).inc()
+
+    def _observe_pace(self, s: StepStats) -> None:
+        with self._lock:
+            pace = self.pace.observe(s)
+        if pace is None:
+            return
+        m = self._model
+        if pace.step_slow:
+            self.slow_steps.labels(m, s.prediction_source).inc()
+        self.step_slowdown.labels(m).set(pace.slowdown)
+        self.parallelism.labels(m).set(pace.parallelism)
+        self.team_collapsed.labels(m).set(1 if pace.collapsed else 0)
 
     def _update_sps(self, sps: float) -> None:
         with self._lock:

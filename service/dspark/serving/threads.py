@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -36,12 +36,14 @@ class ThreadPlan:
     """`single` threads for a step of one request, `batch` for a step of several.
 
     With `time_single`, `single` is a default to be replaced at start-up by the faster of itself
-    and `batch`, timed on the engine (`timed`).
+    and `batch`, timed on the engine (`timed`); `timed_s` then holds the median one-request decode
+    forward (seconds) by thread count, what a served step of one request is held against.
     """
 
     single: int
     batch: int
     time_single: bool = False
+    timed_s: tuple[tuple[int, float], ...] = field(default=(), compare=False)
 
     def threads(self, num_requests: int) -> int:
         return self.single if num_requests <= 1 else self.batch
@@ -69,28 +71,35 @@ class ThreadPlan:
             and single < batch * (1 - CLEAR_MARGIN)
             and batch - single > max(_spread(samples[self.single]), _spread(samples[self.batch]))
         )
-        return replace(self, single=self.single if clearly_faster else self.batch, time_single=False)
+        return replace(
+            self,
+            single=self.single if clearly_faster else self.batch,
+            time_single=False,
+            timed_s=tuple(sorted(medians.items())),
+        )
 
     def timed(self, engine) -> ThreadPlan:
         """`fastest_single` of one-request decode forwards on `engine` at `single` and `batch`
-        threads. Whether a second thread pays for one row depends on the CPU: on an AMX Xeon two
-        threads ran it 1.5x faster, on an AVX2 EPYC 0.88-1.02x."""
+        threads, timed at the first start on this model, dtype, CPU and forward and stored for the
+        next (`acquire_thread_timings`). Whether a second thread pays for one row depends on the
+        CPU: on an AMX Xeon two threads ran it 1.5x faster, on an AVX2 EPYC 0.88-1.02x."""
         if not self.time_single:
             return self
-        # Here, not at the top: the profiler imports torch's compiler (about 1.5 s), which the
+        # Here, not at the top: profiling imports torch's compiler (about 1.5 s), which the
         # replica and every reader of a ServeConfig would otherwise load for nothing.
-        from dspark.profiling.profiler import decode_seconds_by_threads
+        from dspark.profiling.thread_timings import acquire_thread_timings
 
-        samples = decode_seconds_by_threads(engine, sorted({self.single, self.batch}))
+        samples, stored = acquire_thread_timings(engine, sorted({self.single, self.batch}))
         plan = self.fastest_single(samples)
         log.info(
-            "one request steps on %d intra-op threads (decode forward, median and spread: %s)",
+            "one request steps on %d intra-op threads (decode forward, median and spread: %s%s)",
             plan.single,
             ", ".join(
                 f"{n} thread{'s' if n > 1 else ''} {statistics.median(t) * 1000:.1f} ms "
                 f"+-{_spread(t) * 1000:.1f}"
                 for n, t in sorted(samples.items())
             ),
+            f"; timed at an earlier start, {stored}" if stored is not None else "",
         )
         return plan
 
