@@ -12,6 +12,7 @@ DEFAULTS = {
     "RAY_worker_niceness": "0",
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_prestart_worker_first_driver": "0",
 }
 
 
@@ -30,3 +31,19 @@ def test_the_installed_ray_serve_reads_the_settings():
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["0.5", "False"]
+
+
+def test_ray_starts_no_idle_workers_with_the_settings():
+    # Ray would otherwise start (and wait for) one idle worker per CPU when the driver connects.
+    code = (
+        "import psutil, ray;"
+        "ray.init(num_cpus=2, include_dashboard=False, _node_ip_address='127.0.0.1');"
+        "kids = psutil.Process().children(recursive=True);"
+        "workers = [p for p in kids if any(w in ' '.join(p.cmdline()) for w in ('ray::', 'default_worker'))];"
+        "print(len([p for p in workers if 'Agent' not in ' '.join(p.cmdline())]));"
+        "ray.shutdown()"
+    )
+    env = {**os.environ, **DEFAULTS}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "0"

@@ -154,6 +154,7 @@ class EngineProcess:
     def _handshake(self, spec: EngineSpec) -> EngineInfo:
         self._conn.send(list(sys.path))
         self._conn.send(spec)
+        _import_engine_info_modules()
         try:
             msg = self._conn.recv()  # as long as it takes: loading, maybe measuring an SPS profile
         except (EOFError, OSError):
@@ -266,6 +267,14 @@ class EngineProcess:
             if not fut.done():
                 fut.set_exception(EngineStopped(self.fatal_error or "the server is shutting down"))
         hand_over([(sink, RequestOutput.failed(rid, reason, retry=True)) for rid, sink in sinks.items()])
+
+
+def _import_engine_info_modules() -> None:
+    """Import the tokenizer classes that unpickling `EngineInfo` needs now, while the engine
+    process loads on another core; at the unpickling they would delay the first answer (transformers
+    takes seconds to import)."""
+    with contextlib.suppress(ImportError):
+        import transformers.tokenization_utils_fast  # noqa: F401
 
 
 def _spawn(pinned_cpus: list[int] | None) -> tuple[subprocess.Popen, Connection]:

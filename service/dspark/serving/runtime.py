@@ -37,6 +37,10 @@ DAEMON_ENV = {
     # replica's CPU per token by about a fifth (docs/serving.md). The constructor then holds Ray's
     # loop while the engine loads, which only delays the replica's first health check.
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    # Ray starts one idle worker per CPU when the driver connects, and holds `ray.init` until they
+    # are up: on two cores two more Python interpreters importing Ray, which no Serve actor reuses
+    # (each gets a worker of its own) and which compete with the start-up for the same cores.
+    "RAY_prestart_worker_first_driver": "0",
 }
 
 
