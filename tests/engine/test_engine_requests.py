@@ -227,3 +227,16 @@ def test_prompt_chunks_get_the_budget_the_steps_drafts_leave(tiny_dirs, policy, 
     engine.add_request(prompts(1, length=70)[0], GREEDY)
     engine.step()
     assert engine.last_step_stats.num_prefill_tokens == chunk
+
+
+def test_a_steps_stats_carry_its_forwards_cpu_time_and_threads(tiny_dirs):
+    """What the server holds a step against its start-up timings with (`StepPace`)."""
+    engine = engine_on(tiny_dirs["llama"], NoDrafter(), "none")
+    engine.add_request(prompts(1)[0], GREEDY.model_copy(update={"max_tokens": 4}))
+    threads = torch.get_num_threads()
+    while engine.has_unfinished_requests():
+        engine.step()
+        stats = engine.last_step_stats
+        assert stats.intra_op_threads == threads
+        assert 0 < stats.forward_cpu_s
+        assert stats.predicted_forward_s is None  # only the serving layer predicts

@@ -39,8 +39,8 @@ def test_ray_starts_no_idle_workers_with_the_settings():
         "import psutil, ray;"
         "ray.init(num_cpus=2, include_dashboard=False, _node_ip_address='127.0.0.1');"
         "kids = psutil.Process().children(recursive=True);"
-        "workers = [p for p in kids if any(w in ' '.join(p.cmdline()) for w in ('ray::', 'default_worker'))];"
-        "print(len([p for p in workers if 'Agent' not in ' '.join(p.cmdline())]));"
+        "idle = lambda c: c[0].startswith('ray::IDLE') or c[1:2] and c[1].endswith('default_worker.py');"
+        "print(sum(1 for p in kids if idle(p.cmdline() or [''])));"
         "ray.shutdown()"
     )
     env = {**os.environ, **DEFAULTS}

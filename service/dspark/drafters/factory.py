@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dspark.drafters.checkpoint import SharedWeights
 from dspark.drafters.shipped import SHIPPED_NAMES, available, shipped_drafter, shipped_target
 from dspark.engine.config import AUTO
 from dspark.engine.drafter import Drafter
 from dspark.models.hub import DRAFTER_FILES, download, parse_hub_id
 from dspark.models.packed_linear import can_pack, pack_linears
+
+if TYPE_CHECKING:  # the checkpoint's modules import transformers' model code (seconds): only to load one
+    from dspark.drafters.checkpoint import SharedWeights
 
 DRAFTER_HELP = (
     "auto (the target's shipped DSpark drafter, else ngram) | none | ngram | "

@@ -12,6 +12,9 @@ from dspark.serving.threads import ThreadPlan
 from dspark.sps_format import SpsProfile
 
 
+_UNSEEN = object()
+
+
 class StepPredictor:
     """Sets `predicted_forward_s` and `prediction_source` of a step's stats (prompt steps have none).
 
@@ -28,7 +31,7 @@ class StepPredictor:
         self.plan_s = dict(plan.timed_s) if plan is not None else {}
         self.profile_threads = plan.batch if plan is not None else None
         self._runner = runner
-        self._forward: Any = None
+        self._forward: Any = _UNSEEN
         self._profile_applies = False
         self._rates: list[float] = []
 
