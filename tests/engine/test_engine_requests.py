@@ -238,5 +238,5 @@ def test_a_steps_stats_carry_its_forwards_cpu_time_and_threads(tiny_dirs):
         engine.step()
         stats = engine.last_step_stats
         assert stats.intra_op_threads == threads
-        assert 0 < stats.forward_cpu_s
+        assert stats.forward_cpu_s > 0
         assert stats.predicted_forward_s is None  # only the serving layer predicts

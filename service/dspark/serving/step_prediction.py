@@ -11,7 +11,6 @@ from dspark.policies.sps_curve import OnlineSps
 from dspark.serving.threads import ThreadPlan
 from dspark.sps_format import SpsProfile
 
-
 _UNSEEN = object()
 
 
