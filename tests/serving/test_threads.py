@@ -100,6 +100,23 @@ def test_thread_timings_are_taken_again_when_not_stored(monkeypatch, tmp_path, r
     assert not (tmp_path / "profiles").exists()
 
 
+def test_timings_taken_on_a_busy_machine_are_not_stored(monkeypatch, tmp_path):
+    monkeypatch.setenv("DSPARK_HOME", str(tmp_path))
+    noisy = [0.20, 0.12, 0.28, 0.21, 0.13, 0.30, 0.19, 0.25, 0.14, 0.29, 0.22, 0.18]
+    timed: list[list[int]] = []
+
+    def decode_seconds_by_threads(engine, counts):
+        timed.append(counts)
+        return {1: noisy, 2: [0.3] * 12}
+
+    monkeypatch.setattr(profiler, "decode_seconds_by_threads", decode_seconds_by_threads)
+    engine = timing_engine(ThreadSensitiveTarget({}))
+    for _ in range(2):  # 32% faster on one thread, but within the spread: both threads
+        assert ThreadPlan(single=1, batch=2, time_single=True).timed(engine) == ThreadPlan(2, 2)
+    assert timed == [[1, 2], [1, 2]]  # timed again at the second start
+    assert not list(tmp_path.glob("profiles/*threads*"))
+
+
 def test_fewer_threads_only_where_clearly_faster():
     plan = ThreadPlan(1, 2, time_single=True)
     assert plan.fastest_single({1: [0.04] * 12, 2: [0.03] * 12}) == ThreadPlan(2, 2)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import statistics
 from pathlib import Path
 
 from dspark.profiling.acquire import default_profile_path, engine_identity
@@ -15,6 +16,9 @@ log = logging.getLogger(__name__)
 
 # Set to 0 to time at every start (the stored timings are then neither read nor written).
 STORE_ENV = "DSPARK_STORE_THREAD_TIMINGS"
+# Timings whose interquartile range exceeds this share of their median were taken on a busy
+# machine (at a load average of 13, 205 ms +-80): they decide this start only, and are not kept.
+MAX_STORED_SPREAD = 0.25
 
 
 def thread_timings_path(engine, counts: list[int]) -> Path:
@@ -41,7 +45,9 @@ def acquire_thread_timings(engine, counts: list[int]) -> tuple[dict[int, list[fl
     from dspark.profiling.profiler import decode_seconds_by_threads
 
     samples = decode_seconds_by_threads(engine, counts)
-    if path is not None:
+    if path is not None and not all(_steady(ts) for ts in samples.values()):
+        log.info("thread timings spread wide (a busy machine?): not stored, the next start times again")
+    elif path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -50,3 +56,10 @@ def acquire_thread_timings(engine, counts: list[int]) -> tuple[dict[int, list[fl
         except OSError as e:
             log.warning("cannot store the thread timings in %s (%s)", path, e)
     return samples, None
+
+
+def _steady(seconds: list[float]) -> bool:
+    if len(seconds) < 4:
+        return True
+    low, median, high = statistics.quantiles(seconds, n=4)
+    return high - low <= MAX_STORED_SPREAD * median
