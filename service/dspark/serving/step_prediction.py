@@ -3,13 +3,13 @@ plan's one-request timing, or the SPS profile. `StepPace` (in the replica) holds
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dspark.engine.outputs import StepStats
-from dspark.models.compiled_forward import forward_kind
-from dspark.policies.sps_curve import OnlineSps
 from dspark.serving.threads import ThreadPlan
-from dspark.sps_format import SpsProfile
+
+if TYPE_CHECKING:
+    from dspark.sps_format import SpsProfile
 
 _UNSEEN = object()
 
@@ -37,7 +37,14 @@ class StepPredictor:
     @classmethod
     def of(cls, engine: Any, plan: ThreadPlan | None) -> StepPredictor:
         sps = getattr(getattr(engine, "policy", None), "sps", None)
-        profile = sps.prior if isinstance(sps, OnlineSps) else sps if isinstance(sps, SpsProfile) else None
+        profile = None
+        if sps is not None:  # a profiled policy: its modules are loaded (an engine without one need not)
+            from dspark.policies.sps_curve import OnlineSps
+            from dspark.sps_format import SpsProfile
+
+            profile = (
+                sps.prior if isinstance(sps, OnlineSps) else sps if isinstance(sps, SpsProfile) else None
+            )
         return cls(profile, plan, getattr(engine, "runner", None))
 
     def annotate(self, stats: StepStats) -> None:
@@ -53,6 +60,8 @@ class StepPredictor:
     def _profile_applies_now(self) -> bool:
         if self.profile is None:
             return False
+        from dspark.models.compiled_forward import forward_kind  # loaded with the profiled engine
+
         forward = getattr(self._runner, "forward", None)
         if forward is not self._forward:  # the engine switched forwards (a background build)
             self._forward = forward
