@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import psutil
@@ -33,7 +35,7 @@ def test_a_v2_pod_limit_of_four_cpus_gives_four_threads_whatever_the_node_has(tm
         },
     )
     assert cgroup_cpu_limit(root, proc) == 4.0
-    assert usable_cpus(root, proc) == min(4, len(os.sched_getaffinity(0)))
+    assert usable_cpus(root, proc) == min(4, os.cpu_count())
 
 
 def test_a_fractional_quota_rounds_down_but_never_below_one(tmp_path):
@@ -41,14 +43,40 @@ def test_a_fractional_quota_rounds_down_but_never_below_one(tmp_path):
     assert cgroup_cpu_limit(root, proc) == 0.5
     assert usable_cpus(root, proc) == 1
     root, proc = tree(tmp_path / "b", "0::/\n", {"cpu.max": "250000 100000"})
-    assert usable_cpus(root, proc) == min(2, len(os.sched_getaffinity(0)))
+    assert usable_cpus(root, proc) == min(2, os.cpu_count())
 
 
-def test_no_limit_anywhere_means_the_affinity(tmp_path):
+def test_no_limit_anywhere_means_the_machines_cpus(tmp_path):
     root, proc = tree(tmp_path, "0::/a\n", {"a/cpu.max": "max 100000", "a/memory.max": "max"})
     assert cgroup_cpu_limit(root, proc) is None
     assert cgroup_memory_room(root, proc) is None
-    assert usable_cpus(root, proc) == len(os.sched_getaffinity(0))
+    assert usable_cpus(root, proc) == os.cpu_count()
+
+
+def test_a_cpuset_limits_the_cpus_and_the_quota_still_applies(tmp_path):
+    root, proc = tree(
+        tmp_path, "0::/pod/c\n", {"pod/c/cpuset.cpus.effective": "0-5,8,10-11", "pod/cpu.max": "max 100000"}
+    )
+    assert usable_cpus(root, proc) == 9
+    root, proc = tree(
+        tmp_path / "b",
+        "0::/pod/c\n",
+        {"pod/c/cpuset.cpus.effective": "0-5,8,10-11", "pod/cpu.max": "300000 100000"},
+    )
+    assert usable_cpus(root, proc) == 3
+
+
+def test_narrowing_this_process_affinity_does_not_shrink_the_replica(tmp_path):
+    """The engine process pins its stepping thread to one core after start-up; the thread plan it
+    then reads must still count the replica's cores."""
+    code = (
+        "import os; from dspark.models.host_limits import usable_cpus; "
+        "before = usable_cpus(); os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+        "print(before, usable_cpus())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    before, after = map(int, out.split())
+    assert after == before
 
 
 def test_v2_memory_room_is_the_tightest_limit_less_usage(tmp_path):

@@ -1,10 +1,11 @@
-"""The CPUs and memory this process may use: its CPU affinity and its container's cgroup limits, not
-the host's. A pod limited to 4 CPUs on a 64-core node that starts 64 intra-op threads has them
-throttled against each other; one that sizes its KV cache from the node's free memory is
-OOM-killed once the cache fills.
+"""The CPUs and memory this process may use: its container's cgroup limits, not the host's. A pod
+limited to 4 CPUs on a 64-core node that starts 64 intra-op threads has them throttled against
+each other; one that sizes its KV cache from the node's free memory is OOM-killed once the cache
+fills.
 
-cgroup v2 (`cpu.max`, `memory.max`) and v1 (`cpu.cfs_quota_us`, `memory.limit_in_bytes`) are read
-along this process's cgroup path up to the root, and the tightest limit wins.
+cgroup v2 (`cpu.max`, `memory.max`, `cpuset.cpus.effective`) and v1 (`cpu.cfs_quota_us`,
+`memory.limit_in_bytes`, `cpuset.effective_cpus`) are read along this process's cgroup path up to
+the root; the tightest limit wins.
 """
 
 from __future__ import annotations
@@ -84,9 +85,32 @@ def cgroup_memory_room(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP
     return min(rooms) if rooms else None
 
 
+def _cpu_list_size(text: str) -> int:
+    """How many CPUs a list such as "0-3,8,10-11" names."""
+    count = 0
+    for part in filter(None, text.split(",")):
+        first, _, last = part.partition("-")
+        count += int(last or first) - int(first) + 1
+    return count
+
+
+def cgroup_cpuset_size(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> int | None:
+    """CPUs the cgroups' cpusets give this process (the innermost that says), or None."""
+    for d in _cgroup_dirs(root, proc_cgroup, "cpuset"):
+        for name in ("cpuset.cpus.effective", "cpuset.effective_cpus", "cpuset.cpus"):
+            if text := _read(d / name):
+                return _cpu_list_size(text)
+    return None
+
+
 def usable_cpus(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> int:
-    """CPUs this process may run on, at most its cgroup quota rounded down (at least one)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """CPUs the container gives this process: its cgroup cpuset (else the machine's CPUs), at most
+    its cgroup quota rounded down, at least one.
+
+    Not the process's own affinity: the engine process narrows its stepping thread's to one core
+    after start-up, and a replica's plan must still count the cores it was given.
+    """
+    cpus = cgroup_cpuset_size(root, proc_cgroup) or os.cpu_count() or 1
     quota = cgroup_cpu_limit(root, proc_cgroup)
     return max(1, min(cpus, math.floor(quota))) if quota is not None else cpus
 
