@@ -138,7 +138,7 @@ def test_a_request_that_leaves_while_its_grammar_compiles_is_forgotten(backend):
         assert engine.engine.grammars_received == []  # compiled, but never admitted
 
 
-def test_grammars_compile_at_the_lowest_cpu_priority():
+def test_grammars_compile_at_a_lower_cpu_priority():
     """A compile takes only the cores the steps leave: its thread runs at nice 10."""
     done = threading.Event()
 
