@@ -32,10 +32,9 @@ from dspark.training.diagnostics import (
     greedy_answers,
     greedy_corpus_prompts,
     read_samples,
-    token_sequences,
     write_samples,
 )
-from dspark.training.online import OnlineFeatures
+from dspark.training.online import OnlineFeatures, token_sequences
 from dspark.training.run import trainer_for
 
 
@@ -71,7 +70,7 @@ def with_features(cfg: TrainConfig, samples: list[dict]) -> list:
     device = resolve_device(cfg.device)
     target = load_target(resolve_target(cfg.target), device, resolve_dtype(cfg.dtype, device))
     return OnlineFeatures(target, cfg.target_layer_ids, cfg.data.feature_batch_tokens).fill(
-        token_sequences(samples)
+        token_sequences([samples])
     )
 
 

@@ -17,10 +17,10 @@ from dspark.engine.sampler import SamplingTensors
 from dspark.engine.sampling_params import SamplingParams
 from dspark.policies.factory import build_policy
 from dspark.training.config import TrainConfig
-from dspark.training.diagnostics import block_acceptance, every_anchor_batches, token_sequences
+from dspark.training.diagnostics import block_acceptance, every_anchor_batches
 from dspark.training.features import target_hidden
 from dspark.training.forward import dspark_block_logits
-from dspark.training.online import OnlineFeatures
+from dspark.training.online import OnlineFeatures, token_sequences
 from dspark.training.packing import PackedBatch
 from dspark.training.pipeline import load_target
 from dspark.training.run import trainer_for
@@ -68,7 +68,7 @@ def trained(tmp_path_factory, tiny_target):
         {"domain": "code", "prompt_ids": PROMPT[:5], "response_ids": [18, 19, 24, 25, 18, 19, 2, 2]},
     ]
     target = load_target(tiny_target, CPU, F32)
-    sequences = OnlineFeatures(target, cfg.target_layer_ids).fill(token_sequences(samples))
+    sequences = OnlineFeatures(target, cfg.target_layer_ids).fill(token_sequences([samples]))
     trainer = trainer_for(cfg, sequences)
     trainer.train(progress=False)
     return cfg, trainer, trainer.export(), target, sequences

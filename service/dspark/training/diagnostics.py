@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 from dspark.drafters.dspark_model import DSparkModel
-from dspark.training.features import DOMAIN_IDS, Sequence
+from dspark.training.features import Sequence
 from dspark.training.forward import dspark_block_logits, eagle3_block_logits
 from dspark.training.losses import block_loss
 from dspark.training.packing import PackedBatch, pack
@@ -69,19 +69,6 @@ def write_samples(path: Path, samples: list[dict]) -> None:
 
 def read_samples(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def token_sequences(samples: list[dict]) -> list[Sequence]:
-    return [
-        Sequence(
-            torch.tensor(s["prompt_ids"] + s["response_ids"], dtype=torch.long),
-            None,
-            None,
-            len(s["prompt_ids"]),
-            DOMAIN_IDS[s["domain"]],
-        )
-        for s in samples
-    ]
 
 
 @dataclass
