@@ -22,7 +22,6 @@ import torch
 from dspark.drafters.dspark_model import DSparkModel
 from dspark.training.features import Sequence
 from dspark.training.forward import dspark_block_logits, eagle3_block_logits
-from dspark.training.losses import block_loss
 from dspark.training.packing import PackedBatch, pack
 from dspark.training.trainer import Trainer
 
@@ -119,7 +118,7 @@ def block_acceptance(
                     logits, _ = dspark_block_logits(model, batch, draft_rows=True)
                 else:
                     logits = eagle3_block_logits(model, batch)
-            terms = _terms(trainer, batch, logits)
+            terms = trainer.block_terms(batch, logits)
             valid = batch.valid.reshape(logits.shape[0], -1)
             labels = batch.labels.reshape(logits.shape[0], -1)
             top = logits.float().argmax(-1)
@@ -143,23 +142,4 @@ def block_acceptance(
         (greedy_sum / count).tolist(),
         1.0 + runs / max(full_blocks, 1),
         int(count[0]),
-    )
-
-
-def _terms(trainer: Trainer, batch: PackedBatch, logits: torch.Tensor):
-    """The trainer's loss terms (confidence left out) of draft `logits` already computed."""
-    with torch.autocast(trainer.device.type, dtype=trainer.dtype, enabled=trainer.dtype != torch.float32):
-        target_logits = batch.target_last.to(trainer.target_head.dtype) @ trainer.target_head.T
-    n = logits.shape[0]
-    log_norm = batch.target_log_norm
-    return block_loss(
-        logits,
-        target_logits.reshape(n, *target_logits.shape[2:]),
-        batch.labels.reshape(n, -1),
-        batch.valid.reshape(n, -1),
-        trainer.weights,
-        None,
-        trainer.to_target,
-        (trainer.cfg.loss.ce, trainer.cfg.loss.tv, 0.0),
-        log_norm.reshape(n, -1) if log_norm is not None else None,
     )

@@ -264,8 +264,15 @@ class Trainer:
                 draft_logits, conf_logits = dspark_block_logits(self.model, batch, draft_rows=True)
             else:
                 draft_logits, conf_logits = eagle3_block_logits(self.model, batch), None
-            with torch.no_grad():
-                target_logits = batch.target_last.to(self.target_head.dtype) @ self.target_head.T
+        return self.block_terms(batch, draft_logits, conf_logits)
+
+    def block_terms(
+        self, batch: PackedBatch, draft_logits: torch.Tensor, conf_logits: torch.Tensor | None = None
+    ):
+        """The loss terms of draft (and confidence) logits already computed for `batch`."""
+        autocast = torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
+        with autocast, torch.no_grad():
+            target_logits = batch.target_last.to(self.target_head.dtype) @ self.target_head.T
         n = draft_logits.shape[0]
         log_norm = batch.target_log_norm
         return block_loss(
