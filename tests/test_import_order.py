@@ -20,7 +20,7 @@ SOURCES = [ROOT / "service", ROOT / "operator", ROOT / "loadtest"]
 # package. Packages in one layer do not import each other.
 LAYERS: list[tuple[str, ...]] = [
     ("dspark", "dspark.validation", "dspark.prompts"),  # shared helpers and prompt sets
-    ("dspark.models", "dspark.sps_format", "dspark.tier_format"),
+    ("dspark.models", "dspark.sps_format", "dspark.tier_format", "dspark.node_resources"),
     ("dspark.engine",),  # the Drafter and VerifyPolicy interfaces, survival probabilities, prompts
     ("dspark.drafters", "dspark.policies"),
     ("dspark.profiling",),  # measures an engine
@@ -30,8 +30,15 @@ LAYERS: list[tuple[str, ...]] = [
     ("dspark.commands",),
     ("dspark.cli", "locustfile", "multiturn_locustfile"),
 ]
-# The operator image has no torch: the operator reads the SPS profile and tier formats and nothing else.
-OPERATOR_MAY_IMPORT = {"dspark", "dspark.sps_format", "dspark.tier_format", "dspark.validation"}
+# The operator image has no torch: the operator reads the SPS profile and tier formats, and the Ray
+# resources of node types, and nothing else.
+OPERATOR_MAY_IMPORT = {
+    "dspark",
+    "dspark.sps_format",
+    "dspark.tier_format",
+    "dspark.node_resources",
+    "dspark.validation",
+}
 
 LAYER = {package: level for level, packages in enumerate(LAYERS) for package in packages}
 
@@ -111,7 +118,7 @@ def test_relative_imports_resolve_to_their_package() -> None:
     assert found == ["dspark.engine", "dspark.engine.b", "dspark.models"]
 
 
-@pytest.mark.parametrize("module", ["dspark_operator.handlers", "dspark.sps_format"])
+@pytest.mark.parametrize("module", ["dspark_operator.handlers", "dspark.sps_format", "dspark.node_resources"])
 def test_operator_side_imports_without_torch(module: str) -> None:
     """The operator image installs no torch (nor NumPy): what it imports must not need them."""
     code = (

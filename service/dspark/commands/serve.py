@@ -121,6 +121,12 @@ from dspark.serving.config import load_config
     help="What accepts HTTP: the one replica itself (direct) or Ray Serve's proxy, which routes "
     "between replicas.  [default: auto: direct for one fixed replica]",
 )
+@click.option(
+    "--address",
+    help="Deploy onto the running Ray cluster at this address (auto, host:port, ray://host:10001) "
+    "instead of starting Ray here; on exit the application is deleted and the cluster keeps running.  "
+    "[default: $RAY_ADDRESS, else none]",
+)
 @click.option("--print-config", is_flag=True, help="Print the effective configuration and exit.")
 def serve(
     config_file: Path | None,

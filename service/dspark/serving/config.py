@@ -20,12 +20,16 @@ from pydantic import (
 )
 
 from dspark.engine.config import SELECTION_FIELDS
+from dspark.node_resources import node_type_resource
 from dspark.serving.request_limits import RequestLimits
 from dspark.serving.threads import ThreadPlan
 from dspark.validation import describe
 
 ENV_PREFIX = "DSPARK_"
 CONFIG_FILE_ENV = "DSPARK_CONFIG"
+RAY_ADDRESS_ENV = "RAY_ADDRESS"  # Ray's own variable: the cluster a driver joins
+# Settings given as JSON in their environment variable.
+JSON_FIELDS = ("autoscaling", "sps_profiles")
 # Engine settings live in the engine's own EngineConfig; None here means "the engine's default".
 ENGINE_FIELDS = (
     *SELECTION_FIELDS,
@@ -125,6 +129,11 @@ class ServeConfig(BaseModel):
         description="What accepts HTTP on the port: `direct` the one replica itself, `proxy` Ray Serve's "
         "HTTP proxy, which routes between replicas; auto: direct for one fixed replica, else proxy.",
     )
+    address: str | None = Field(
+        None,
+        description="Ray cluster to deploy onto (`auto`, `host:port` of its GCS, `ray://host:10001`) "
+        "instead of a Ray instance started in-process; default: $RAY_ADDRESS where set.",
+    )
 
     # Load protection.
     max_queue: int = Field(64, ge=0, description="Requests allowed to wait beyond max_num_seqs before 429.")
@@ -179,6 +188,11 @@ class ServeConfig(BaseModel):
     sps_profile: Path | None = Field(
         None, description="SPS profile file; default: $DSPARK_SPS_PROFILE, else the cache path."
     )
+    sps_profiles: dict[str, Path] | None = Field(
+        None,
+        description="SPS profile file per node type. Given, each replica takes one `dspark/replica-slots` "
+        "of a Ray node of a profiled type (`dspark.node_resources`) and loads its node type's profile.",
+    )
 
     @field_validator("served_model_name", mode="before")
     @classmethod
@@ -209,11 +223,40 @@ class ServeConfig(BaseModel):
             raise ValueError("host must not be empty")
         return v
 
+    @field_validator("address")
+    @classmethod
+    def _address_not_blank(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("address must not be empty")
+        return v
+
+    @field_validator("sps_profiles")
+    @classmethod
+    def _profiles_by_node_type(cls, v: dict[str, Path] | None) -> dict[str, Path] | None:
+        if v is None:
+            return v
+        if not v:
+            raise ValueError("sps_profiles must name at least one node type")
+        for node_type in v:
+            node_type_resource(node_type)
+        return v
+
     @model_validator(mode="after")
     def _direct_ingress_fits(self) -> ServeConfig:
         if self.ingress == "direct" and (why := self._why_not_direct()):
             raise ValueError(why)
         return self
+
+    @model_validator(mode="after")
+    def _one_kind_of_profile(self) -> ServeConfig:
+        if self.sps_profile is not None and self.sps_profiles is not None:
+            raise ValueError("give sps_profile (every replica) or sps_profiles (per node type), not both")
+        return self
+
+    @property
+    def placed_by_node_type(self) -> bool:
+        """Whether replicas go to Ray nodes of profiled types, each with its node type's SPS profile."""
+        return self.sps_profiles is not None
 
     def _why_not_direct(self) -> str | None:
         """Why the replica cannot serve HTTP itself, or None when it can."""
@@ -223,6 +266,10 @@ class ServeConfig(BaseModel):
             return (
                 "ingress `direct` binds the port in the one replica; "
                 "several or autoscaled replicas need ingress `proxy`"
+            )
+        if self.address is not None:
+            return (
+                "ingress `direct` needs the Ray instance that dspark serve starts; --address joins a cluster"
             )
         return None
 
@@ -304,13 +351,13 @@ class ServeConfig(BaseModel):
 
 
 def _env_values(environ: dict[str, str]) -> dict[str, Any]:
-    """Fields set through `DSPARK_<FIELD>`; nested settings (autoscaling) are given as JSON."""
+    """Fields set through `DSPARK_<FIELD>`; nested settings (`JSON_FIELDS`) are given as JSON."""
     values: dict[str, Any] = {}
-    for name, field in ServeConfig.model_fields.items():
+    for name in ServeConfig.model_fields:
         raw = environ.get(ENV_PREFIX + name.upper())
         if raw is None or raw == "":
             continue
-        if field.annotation is not None and "AutoscalingSettings" in str(field.annotation):
+        if name in JSON_FIELDS:
             try:
                 values[name] = json.loads(raw)
             except json.JSONDecodeError as e:
@@ -345,6 +392,8 @@ def load_config(
     values: dict[str, Any] = {}
     if path:
         values.update(_file_values(Path(path)))
+    if environ.get(RAY_ADDRESS_ENV):
+        values["address"] = environ[RAY_ADDRESS_ENV]
     values.update(_env_values(environ))
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     try:

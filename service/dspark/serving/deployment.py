@@ -12,6 +12,7 @@ from ray import serve
 from dspark.serving.auth import BearerAuth
 from dspark.serving.config import ServeConfig
 from dspark.serving.engine_messages import EngineFactory
+from dspark.serving.node_placement import on_this_node, placement_resources
 from dspark.serving.openai_routes import build_openai_app
 from dspark.serving.openai_schemas import (
     ChatCompletionRequest,
@@ -30,7 +31,7 @@ _CONTROL_HEADROOM = 16
 
 
 def _replica(config: dict[str, Any], engine_factory: EngineFactory | None) -> EngineReplica:
-    cfg = ServeConfig.model_validate(config)
+    cfg = on_this_node(ServeConfig.model_validate(config))
     if not cfg.engine_in_thread:
         import torch
 
@@ -113,11 +114,20 @@ class EngineBackend:
 
 
 def deployment_options(config: ServeConfig) -> dict[str, Any]:
-    """Ray Serve options from the config: replicas or autoscaling, resources, queue and shutdown."""
+    """Ray Serve options from the config: replicas or autoscaling, resources, queue and shutdown.
+
+    Placed by node type, a replica takes one replica slot of a profiled node, which stands for its
+    share of the node: it reserves CPUs only where `num_cpus_per_replica` says how many (this
+    machine's CPUs say nothing about a cluster node's).
+    """
     max_num_seqs = config.engine_config().max_num_seqs
+    actor: dict[str, Any] = {"num_cpus": config.replica_cpus(), "num_gpus": config.num_gpus_per_replica}
+    if config.placed_by_node_type:
+        actor["num_cpus"] = config.num_cpus_per_replica or 0.0
+        actor["resources"] = placement_resources(config)
     opts: dict[str, Any] = {
         "max_ongoing_requests": max_num_seqs + config.max_queue + _CONTROL_HEADROOM,
-        "ray_actor_options": {"num_cpus": config.replica_cpus(), "num_gpus": config.num_gpus_per_replica},
+        "ray_actor_options": actor,
         "graceful_shutdown_timeout_s": config.graceful_shutdown_timeout_s,
         "graceful_shutdown_wait_loop_s": 0.5,
         "health_check_period_s": 10.0,

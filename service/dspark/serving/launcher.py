@@ -1,4 +1,5 @@
-"""`dspark serve`: bring up Ray in-process, deploy the engine, serve until interrupted, then drain."""
+"""`dspark serve`: bring up Ray in-process (or join a cluster), deploy the engine, serve until
+interrupted, then drain."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dspark.serving.config import ServeConfig
 from dspark.serving.runtime import (
     STARTED_AT_ENV,
     check_port_free,
+    connect_ray,
     ingress_env,
     run_openai_server,
     shutdown,
@@ -45,7 +47,9 @@ def serve_forever(config: ServeConfig, announce=print) -> None:
     """Run the configured front end in the foreground; SIGINT/SIGTERM drain in-flight requests and stop.
 
     Each start-up stage is announced with the seconds since the start; the engine's own lines carry
-    the same clock ($DSPARK_STARTED_AT).
+    the same clock ($DSPARK_STARTED_AT). With `config.address` the application goes onto that Ray
+    cluster's Serve (its HTTP proxies, its replicas' nodes fetch the model), and on the way out it is
+    deleted while the cluster keeps running.
     """
     started = time.time()
     os.environ[STARTED_AT_ENV] = repr(started)
@@ -53,11 +57,16 @@ def serve_forever(config: ServeConfig, announce=print) -> None:
     def stage(message: str) -> None:
         announce(f"[+{time.time() - started:.1f} s] {message}")
 
-    check_port_free(config.host, config.port)
-    prepare_model(config)
-    stage("model ready; starting Ray")
-    cpus = max(usable_cpus(), math.ceil(config.replica_cpus() * config.max_replicas))
-    start_ray(num_cpus=cpus, env=ingress_env(config))
+    on_cluster = config.address is not None
+    if on_cluster:
+        stage(f"joining the Ray cluster at {config.address}")
+        connect_ray(config.address)
+    else:
+        check_port_free(config.host, config.port)
+        prepare_model(config)
+        stage("model ready; starting Ray")
+        cpus = max(usable_cpus(), math.ceil(config.replica_cpus() * config.max_replicas))
+        start_ray(num_cpus=cpus, env=ingress_env(config))
     # After ray.init: Ray's core worker installs a SIGTERM handler that kills the driver on the spot.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     stage(
@@ -79,9 +88,18 @@ def serve_forever(config: ServeConfig, announce=print) -> None:
         else:
             run_openai_server(config)
             serving = True
-            stage(
-                f"DSpark Serve on http://{config.host}:{config.port} (OpenAI API under /v1); Ctrl-C stops it"
-            )
+            if on_cluster:
+                from dspark.serving.deployment import APP_NAME
+
+                stage(
+                    f"DSpark Serve on the Ray cluster at {config.address}: application `{APP_NAME}` at "
+                    "route / of its Serve HTTP proxies (OpenAI API under /v1); Ctrl-C deletes it"
+                )
+            else:
+                stage(
+                    f"DSpark Serve on http://{config.host}:{config.port} (OpenAI API under /v1); "
+                    "Ctrl-C stops it"
+                )
             threading.Event().wait()
     except KeyboardInterrupt:
         announce(
@@ -91,5 +109,5 @@ def serve_forever(config: ServeConfig, announce=print) -> None:
         # Ray re-delivers pending signals while it waits; the drain must not be cut short by them.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
-        shutdown(drain=serving)
+        shutdown(drain=serving, keep_cluster=on_cluster)
         announce("stopped")

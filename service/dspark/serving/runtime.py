@@ -1,4 +1,5 @@
-"""Start and stop the in-process Ray runtime and the Serve applications (loopback, no dashboard)."""
+"""Start and stop the in-process Ray runtime (loopback, no dashboard), or join a running Ray cluster,
+and deploy and remove the Serve application."""
 
 from __future__ import annotations
 
@@ -57,11 +58,13 @@ def daemon_env(environ: Mapping[str, str]) -> dict[str, str]:
 STARTED_AT_ENV = "DSPARK_STARTED_AT"
 
 
-def replica_env() -> dict[str, str]:
-    """Environment of the replica processes: the code path, the server's start time, and OpenMP
-    settings unless set already (`dspark.OPENMP_ENV`: a replica may load torch before it imports dspark)."""
+def replica_env(code_path: bool = True) -> dict[str, str]:
+    """Environment of the replica processes: the code path (on this machine's Ray only: a cluster's
+    nodes have their own install), the server's start time, and OpenMP settings unless set already
+    (`dspark.OPENMP_ENV`: a replica may load torch before it imports dspark)."""
     started = {STARTED_AT_ENV: os.environ[STARTED_AT_ENV]} if STARTED_AT_ENV in os.environ else {}
-    return {"PYTHONPATH": _code_path(), **started, **_unless_set(OPENMP_ENV, os.environ)}
+    path = {"PYTHONPATH": _code_path()} if code_path else {}
+    return {**path, **started, **_unless_set(OPENMP_ENV, os.environ)}
 
 
 DIRECT_INGRESS_FLAG = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
@@ -136,6 +139,24 @@ def start_ray(num_cpus: int | None = None, env: dict[str, str] | None = None) ->
     )
 
 
+def connect_ray(address: str) -> None:
+    """Join the running Ray cluster at `address` (`auto`, `host:port`, `ray://host:10001`) as a driver.
+
+    The cluster's daemons keep their own settings (`DAEMON_ENV` is read when they start); the
+    replicas get `replica_env`, less the code path.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return
+    ray.init(
+        address=address,
+        log_to_driver=True,
+        configure_logging=False,
+        runtime_env={"env_vars": replica_env(code_path=False)},
+    )
+
+
 def run_openai_server(config: Any, engine_factory: Any = None, blocking: bool = False) -> None:
     """Deploy the standalone OpenAI server at config.host:config.port: in its replica when Ray runs
     with direct ingress (`ingress_env`), else on Ray Serve's HTTP proxy."""
@@ -149,14 +170,15 @@ def run_openai_server(config: Any, engine_factory: Any = None, blocking: bool = 
     serve.run(openai_app(config, engine_factory), name=APP_NAME, route_prefix="/", blocking=blocking)
 
 
-def shutdown(drain: bool = True) -> None:
-    """Drain, then stop Serve and Ray; without `drain`, stop Ray at once.
+def shutdown(drain: bool = True, keep_cluster: bool = False) -> None:
+    """Drain, then stop Serve and Ray; without `drain`, stop Ray at once. With `keep_cluster` (a
+    cluster this process joined) delete the application only, and leave Serve and the cluster running.
 
     Deleting the application first lets each replica finish its in-flight requests (up to
     graceful_shutdown_timeout_s) while the HTTP proxy is still there to carry their responses;
     `serve.shutdown()` alone would stop the proxy under them. A server stopped before it served
     has nothing to drain, and a replica still loading its engine would hold the drain for the whole
-    grace period.
+    grace period; on a cluster its deletion is still asked for, without waiting for it.
     """
     import ray
     from ray import serve
@@ -165,12 +187,13 @@ def shutdown(drain: bool = True) -> None:
 
     if not ray.is_initialized():
         return
-    if not drain:
+    if not drain and not keep_cluster:
         ray.shutdown()
         return
     try:
         if APP_NAME in serve.status().applications:
-            serve.delete(APP_NAME, _blocking=True)
-        serve.shutdown()
+            serve.delete(APP_NAME, _blocking=drain)
+        if not keep_cluster:
+            serve.shutdown()
     finally:
         ray.shutdown()

@@ -1,0 +1,55 @@
+"""A replica placed by node type: which node type it runs on, and the settings that follow from it."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from dspark.node_resources import REPLICA_SLOTS, node_type_of
+from dspark.serving.config import ServeConfig
+
+log = logging.getLogger(__name__)
+
+
+def placement_resources(config: ServeConfig) -> dict[str, float]:
+    """Ray resources a replica asks for beyond CPUs and GPUs: one replica slot when placed by node type."""
+    return {REPLICA_SLOTS: 1.0} if config.placed_by_node_type else {}
+
+
+def settings_on_node(config: ServeConfig, resources: Mapping[str, float]) -> ServeConfig:
+    """The replica's settings on a node with these Ray resources: its node type's SPS profile and,
+    unless `num_cpus_per_replica` says otherwise, the node's CPUs shared by its replica slots."""
+    if config.sps_profiles is None:
+        return config
+    node_type = node_type_of(resources)
+    if node_type is None:
+        raise RuntimeError(
+            f"this replica's Ray node carries no dspark/node-type/* resource (it has {sorted(resources)})"
+        )
+    profile = config.sps_profiles.get(node_type)
+    if profile is None:
+        raise RuntimeError(
+            f"sps_profiles has no profile for node type {node_type!r} (it has {sorted(config.sps_profiles)})"
+        )
+    update = {"sps_profile": profile, "sps_profiles": None}
+    if config.num_cpus_per_replica is None:
+        share = resources.get("CPU", 1.0) / max(1.0, resources.get(REPLICA_SLOTS, 1.0))
+        update["num_cpus_per_replica"] = float(max(1, int(share)))
+    log.info("replica on node type %s: SPS profile %s", node_type, profile)
+    return config.model_copy(update=update)
+
+
+def this_node_resources() -> dict[str, float]:
+    """The Ray resources of the node this process runs on."""
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node["NodeID"] == node_id:
+            return dict(node["Resources"])
+    raise RuntimeError(f"Ray does not list this process's node {node_id}")
+
+
+def on_this_node(config: ServeConfig) -> ServeConfig:
+    """`settings_on_node` for the node this replica runs on (unchanged when not placed by node type)."""
+    return settings_on_node(config, this_node_resources()) if config.placed_by_node_type else config
