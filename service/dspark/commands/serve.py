@@ -127,6 +127,13 @@ from dspark.serving.config import load_config
     "instead of starting Ray here; on exit the application is deleted and the cluster keeps running.  "
     "[default: $RAY_ADDRESS, else none]",
 )
+@click.option(
+    "--router",
+    type=click.Choice(["prefix", "round-robin", "pow2"]),
+    help="How requests are spread over engine replicas, behind an ingress deployment: to the replica "
+    "likely to hold the prompt's prefix (prefix), in turn, or Ray's power of two choices.  "
+    "[default: prefix with several replicas; none for one]",
+)
 @click.option("--print-config", is_flag=True, help="Print the effective configuration and exit.")
 def serve(
     config_file: Path | None,

@@ -134,6 +134,14 @@ class ServeConfig(BaseModel):
         description="Ray cluster to deploy onto (`auto`, `host:port` of its GCS, `ray://host:10001`) "
         "instead of a Ray instance started in-process; default: $RAY_ADDRESS where set.",
     )
+    router: Literal["prefix", "round-robin", "pow2"] | None = Field(
+        None,
+        description="How requests are spread over the engine replicas, behind an ingress deployment "
+        "that parses them: `prefix` to the replica most likely to hold the prompt's prefix in its cache "
+        "(the least loaded when that one is too busy), `round-robin` in turn, `pow2` Ray's default "
+        "power of two choices. Default: `prefix` with more than one replica; one fixed replica serves "
+        "HTTP itself, without an ingress deployment.",
+    )
 
     # Load protection.
     max_queue: int = Field(64, ge=0, description="Requests allowed to wait beyond max_num_seqs before 429.")
@@ -262,6 +270,8 @@ class ServeConfig(BaseModel):
         """Why the replica cannot serve HTTP itself, or None when it can."""
         if self.kserve:
             return "ingress `direct` serves the OpenAI front end; --kserve has its own server"
+        if self.router is not None:
+            return "--router puts an ingress deployment in front of the engine replicas; it needs ingress `proxy`"
         if self.autoscaling is not None or self.num_replicas != 1:
             return (
                 "ingress `direct` binds the port in the one replica; "
@@ -277,6 +287,18 @@ class ServeConfig(BaseModel):
     def direct_ingress(self) -> bool:
         """Whether the replica serves HTTP itself (Ray Serve direct ingress), without the proxy hop."""
         return self.ingress == "direct" or (self.ingress == "auto" and self._why_not_direct() is None)
+
+    @property
+    def engine_router(self) -> str | None:
+        """The engine deployment's request router (`router`, or `prefix` for several replicas);
+        None: one fixed replica, nothing to choose between."""
+        return self.router or ("prefix" if self.max_replicas > 1 else None)
+
+    @property
+    def routed(self) -> bool:
+        """Whether the OpenAI front end is an ingress deployment calling the engine deployment through
+        a handle (so its request router sees each prompt) rather than the engine replica itself."""
+        return not self.kserve and self.engine_router is not None
 
     @property
     def max_replicas(self) -> int:

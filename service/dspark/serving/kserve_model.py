@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import sys
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, HTTPException
@@ -21,14 +20,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from dspark.serving.auth import BearerAuth
 from dspark.serving.body_limit import BodyLimit
 from dspark.serving.config import ServeConfig
+from dspark.serving.handle_backend import HandleBackend
 from dspark.serving.openai_routes import build_openai_app
-from dspark.serving.openai_schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
-from dspark.serving.openai_service import Frame, JSONReply
+from dspark.serving.openai_service import JSONReply
 from dspark.serving.replica import V2_INPUT, V2_OUTPUT
 
 OPENAI_PREFIX = "/openai"
@@ -105,39 +99,6 @@ def _input_texts(body: InferRequest) -> list[str]:
             raise HTTPException(400, "input data must be strings")
         texts.append(item)
     return texts
-
-
-class HandleBackend:
-    """The OpenAI routes' backend in the KServe process: frames streamed from a replica."""
-
-    def __init__(self, handle: Any):
-        self.handle = handle
-
-    def completion(self, req: CompletionRequest) -> AsyncIterator[Frame]:
-        return self._frames("completion", req)
-
-    def chat(self, req: ChatCompletionRequest) -> AsyncIterator[Frame]:
-        return self._frames("chat", req)
-
-    async def models(self) -> dict[str, Any]:
-        return await self.handle.models.remote()
-
-    async def tokenize(self, req: TokenizeRequest) -> JSONReply:
-        return await self.handle.tokenize.remote(req)
-
-    async def detokenize(self, req: DetokenizeRequest) -> JSONReply:
-        return await self.handle.detokenize.remote(req)
-
-    async def _frames(self, route: str, req: Any) -> AsyncIterator[Frame]:
-        gen = self.handle.options(stream=True).openai.remote(route, req)
-        done = False
-        try:
-            async for frame in gen:
-                yield frame
-            done = True
-        finally:
-            if not done:
-                gen.cancel()  # the client went away: the replica aborts the request
 
 
 def _install_front_routes(app: FastAPI, handle: Any, auth: BearerAuth, max_body_bytes: int) -> None:
