@@ -89,9 +89,11 @@ def test_the_import_paths_args_are_the_command_lines_settings():
     args = {"target": "smollm2-135m", "num_replicas": 2, "max_queue": 3, "sps_profiles": {"a": "/a.json"}}
     config = config_from_args(args)
     assert config == ServeConfig(**args)
-    app = build_app(args)
-    deployment = app._bound_deployment
-    assert deployment.name == "OpenAIServer" and deployment.num_replicas == 2
+    ingress = build_app(args)._bound_deployment
+    # Two replicas: the HTTP ingress in front of the engine deployment, whose router sees prompts.
+    assert ingress.name == "OpenAIIngress" and ingress.num_replicas == 1
+    deployment = ingress.init_args[0]._bound_deployment
+    assert deployment.name == "EngineBackend" and deployment.num_replicas == 2
     assert deployment.ray_actor_options["resources"] == {REPLICA_SLOTS: 1.0}
     assert ServeConfig.model_validate(deployment.init_args[0]) == config
 
