@@ -9,7 +9,7 @@ from typing import Any, Protocol
 from dspark.sps_format import SpsProfile
 from prometheus_client import Gauge
 
-from dspark_operator import builders
+from dspark_operator import builders, ray_builders
 from dspark_operator.config import OperatorConfig
 from dspark_operator.kube import Kube
 from dspark_operator.metrics import MetricsUnavailable, PodMetricsReader, PrometheusMetricsReader
@@ -38,27 +38,37 @@ DESIRED_REPLICAS = Gauge(
 
 
 class TierMetricsSource(Protocol):
-    def read_tier(self, kube: Kube, namespace: str, service: str, tier: str) -> TierMetrics | None: ...
+    def read_tier(
+        self, kube: Kube, namespace: str, service: str, tier: str, kind: str
+    ) -> TierMetrics | None: ...
 
 
 class PodsSource:
-    """Scrape the tier's ready pods directly."""
+    """Scrape the tier's ready pods directly; a RayService tier, its application's `/metrics`."""
 
     def __init__(self) -> None:
         self.reader = PodMetricsReader()
 
-    def read_tier(self, kube: Kube, namespace: str, service: str, tier: str) -> TierMetrics | None:
-        pods = kube.list("Pod", namespace, {builders.LABEL_SERVICE: service, builders.LABEL_TIER: tier})
-        return self.reader.read(
-            (namespace, service, tier), [url for pod in pods if (url := _metrics_url(pod))]
-        )
+    def read_tier(self, kube: Kube, namespace: str, service: str, tier: str, kind: str) -> TierMetrics | None:
+        if kind == ray_builders.KIND:
+            urls = [url] if (url := _application_metrics_url(kube, namespace, service, tier)) else []
+        else:
+            pods = kube.list("Pod", namespace, {builders.LABEL_SERVICE: service, builders.LABEL_TIER: tier})
+            urls = [url for pod in pods if (url := _metrics_url(pod))]
+        return self.reader.read((namespace, service, tier), urls)
 
 
 class PrometheusSource:
+    """Prometheus' series of the tier's pods. A RayService's pods hold replicas of every tier, so
+    no series carries a tier: those tiers' applications are scraped directly."""
+
     def __init__(self, url: str, window: str) -> None:
         self.reader = PrometheusMetricsReader(url, window)
+        self.direct = PodsSource()
 
-    def read_tier(self, kube: Kube, namespace: str, service: str, tier: str) -> TierMetrics | None:
+    def read_tier(self, kube: Kube, namespace: str, service: str, tier: str, kind: str) -> TierMetrics | None:
+        if kind == ray_builders.KIND:
+            return self.direct.read_tier(kube, namespace, service, tier, kind)
         return self.reader.read(namespace, service, tier)
 
 
@@ -66,6 +76,17 @@ def metrics_source(config: OperatorConfig) -> TierMetricsSource:
     if config.prometheus_url:
         return PrometheusSource(config.prometheus_url, config.prometheus_window)
     return PodsSource()
+
+
+def _application_metrics_url(kube: Kube, namespace: str, service: str, tier: str) -> str | None:
+    """The tier application's /metrics behind KubeRay's Serve Service (its route prefix /<tier>)."""
+    svc = kube.get("Service", namespace, ray_builders.serve_service_name(service))
+    ip = ((svc or {}).get("spec") or {}).get("clusterIP")
+    if not ip or ip == "None":
+        return None
+    ports = svc["spec"].get("ports") or []
+    port = next((p["port"] for p in ports if p.get("name") == "serve"), ports[0]["port"] if ports else 8000)
+    return f"http://{ip}:{port}/{tier}/metrics"
 
 
 def _metrics_url(pod: dict[str, Any]) -> str | None:
@@ -176,7 +197,7 @@ class _AutoscalePass:
     def evaluate(self, tier: TierSpec, status: dict[str, Any]) -> TierEvaluation | None:
         """The tier's decision from its workload, profile and metrics (None: no workload yet)."""
         kind, name = status["kind"], status["workload"]
-        current = workload_replicas(self.kube, kind, self.namespace, name)
+        current = workload_replicas(self.kube, kind, self.namespace, name, tier.name)
         if current is None:
             return None  # the reconciler has not created it yet
         memory = ScalingMemory.from_status(status)
@@ -185,7 +206,7 @@ class _AutoscalePass:
             memory = replace(memory, last_scale_time=self.now)
         configmap = builders.profile_configmap_name(self.service, status["nodeType"])
         capacity = _capacity(self.kube, self.namespace, configmap, self.config, self.profile_cache)
-        metrics = self._read_metrics(tier.name)
+        metrics = self._read_metrics(tier.name, kind)
         target = TierTarget(
             tier.tokens_per_second_per_user, tier.ttft_p95_seconds, tier.min_replicas, tier.max_replicas
         )
@@ -202,12 +223,12 @@ class _AutoscalePass:
             a.tolerance, a.scale_up_cooldown_seconds, a.scale_down_cooldown_seconds, a.max_scale_up_factor
         )
 
-    def _read_metrics(self, tier: str) -> TierMetrics | None:
+    def _read_metrics(self, tier: str, kind: str) -> TierMetrics | None:
         """The tier's metrics; after one failure this pass, the other tiers do not wait on it."""
         if self.outcome.metrics_error:
             return None
         try:
-            metrics = self.source.read_tier(self.kube, self.namespace, self.service, tier)
+            metrics = self.source.read_tier(self.kube, self.namespace, self.service, tier, kind)
         except MetricsUnavailable as exc:
             self.outcome.metrics_error = str(exc)
             return None
@@ -225,7 +246,9 @@ class _AutoscalePass:
                 memory, last_scale_time=old_memory.last_scale_time, last_direction=old_memory.last_direction
             )
         else:
-            set_workload_replicas(self.kube, evaluation.kind, self.namespace, evaluation.workload, desired)
+            set_workload_replicas(
+                self.kube, evaluation.kind, self.namespace, evaluation.workload, tier, desired
+            )
             verb = "ScaledUp" if desired > decision.current else "ScaledDown"
             message = f"tier {tier}: {decision.current} -> {desired}: {reason}"
             self.outcome.events.append(Event("Normal", verb, message))

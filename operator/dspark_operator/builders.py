@@ -80,7 +80,7 @@ def workload_name(service: str, tier: str) -> str:
     return f"{service[:42].rstrip('-')}-{tier}"
 
 
-def _model_volumes(spec: ServiceSpec) -> tuple[list[dict], list[dict]]:
+def model_volumes(spec: ServiceSpec) -> tuple[list[dict], list[dict]]:
     if spec.model.pvc is None:
         return [], []
     pvc = spec.model.pvc
@@ -91,7 +91,7 @@ def _model_volumes(spec: ServiceSpec) -> tuple[list[dict], list[dict]]:
     return [volume], [mount]
 
 
-def _scheduling(spec: ServiceSpec, node_label: str, node_type: str) -> dict[str, Any]:
+def scheduling(spec: ServiceSpec, node_label: str, node_type: str) -> dict[str, Any]:
     """Pod spec fields placing a pod on one node type: its selector, the GPU toleration and the
     service's own tolerations, affinity and image pull secrets."""
     fields: dict[str, Any] = {
@@ -121,7 +121,7 @@ def build_profile_job(
         LABEL_FINGERPRINT: fingerprint,
     }
     annotations = {ANNOTATION_NODE_TYPE: node_type}
-    volumes, mounts = _model_volumes(spec)
+    volumes, mounts = model_volumes(spec)
     # Through TMPDIR (the pod's /tmp emptyDir): the command names no path of the pod's own.
     output = '"$TMPDIR/profile.json"'
     script = (
@@ -166,7 +166,7 @@ def build_profile_job(
                     "restartPolicy": "Never",
                     "automountServiceAccountToken": False,
                     "securityContext": pod_security.pod_security_context(spec),
-                    **_scheduling(spec, node_label, node_type),
+                    **scheduling(spec, node_label, node_type),
                     "containers": [container],
                     "volumes": [*pod_security.writable_volumes(), *volumes],
                 },
@@ -217,7 +217,7 @@ def _serving_pod_spec(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(container, pod spec) of a serving replica of one tier on one node type; `kserve` serves
     KServe's protocols (v2 and /openai) for an InferenceService."""
-    volumes, mounts = _model_volumes(spec)
+    volumes, mounts = model_volumes(spec)
     port = spec.serving.port
     command = ["dspark", "serve", "--target", spec.model.target]
     if spec.model.drafter:
@@ -280,7 +280,7 @@ def _serving_pod_spec(
         "automountServiceAccountToken": False,  # the server never calls the Kubernetes API
         "securityContext": pod_security.pod_security_context(spec),
         "terminationGracePeriodSeconds": termination_grace_seconds(spec),
-        **_scheduling(spec, node_label, node_type),
+        **scheduling(spec, node_label, node_type),
         "volumes": [
             {
                 "name": "sps-profile",

@@ -17,6 +17,7 @@ from dspark_operator.autoscaler import autoscale_service, forget_service, metric
 from dspark_operator.config import OperatorConfig
 from dspark_operator.kube import Kube, connection_settings, load_client_configuration
 from dspark_operator.profiling import Event, observe_node_types, reconcile_profile
+from dspark_operator.ray_serving import reconcile_rayservice
 from dspark_operator.serving import reconcile_workloads
 from dspark_operator.spec import GROUP, PLURAL, VERSION, ServiceSpec
 from dspark_operator.status import METRICS_CONDITION, condition, ready_profiles, service_status
@@ -101,7 +102,8 @@ def _reconcile(body: dict[str, Any], patch: kopf.Patch, logger: logging.Logger) 
     node_label = spec.node_type_label or CONFIG.node_label
     present = observe_node_types(kube, node_label, spec.node_types)
     profiles, events = _reconcile_profiles(body, spec, node_label, present, status.get("profiles") or {}, now)
-    workloads = reconcile_workloads(
+    reconcile_serving = reconcile_rayservice if spec.runtime == "rayservice" else reconcile_workloads
+    workloads = reconcile_serving(
         kube, body, spec, node_label, ready_profiles(profiles), status.get("tiers") or {}
     )
     _post(body, events + workloads.events)
@@ -110,6 +112,10 @@ def _reconcile(body: dict[str, Any], patch: kopf.Patch, logger: logging.Logger) 
             body,
             reason="KServeMissing",
             message="serving.kind InferenceService but KServe's CRD is absent; serving with Deployments",
+        )
+    if workloads.kuberay_missing:
+        kopf.warn(
+            body, reason="KubeRayMissing", message="runtime rayservice but KubeRay's RayService CRD is absent"
         )
     metrics = _METRICS_CONDITIONS.get(body["metadata"]["uid"])
     generation = body["metadata"].get("generation")
@@ -166,9 +172,12 @@ def autoscale_timer(
         spec = ServiceSpec.model_validate(plain["spec"])
     except pydantic.ValidationError:
         return  # reconcile reports it
-    outcome = autoscale_service(
-        _State.kube, plain, spec, CONFIG, _State.source, _State.profile_cache, time.time()
-    )
+    # Under the reconcile lock: a RayService holds every tier's replicas in one field that both
+    # passes rewrite, and neither may put back a count the other just changed.
+    with _RECONCILE_LOCKS[plain["metadata"]["uid"]]:
+        outcome = autoscale_service(
+            _State.kube, plain, spec, CONFIG, _State.source, _State.profile_cache, time.time()
+        )
     if stopped:  # deleted while this pass ran: leave no metric series behind
         forget_service(
             plain["metadata"]["namespace"], plain["metadata"]["name"], [t.name for t in spec.tiers]

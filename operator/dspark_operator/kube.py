@@ -24,6 +24,7 @@ RESOURCES: dict[str, tuple[str, str, bool]] = {
     "Job": ("/apis/batch/v1", "jobs", True),
     "Deployment": ("/apis/apps/v1", "deployments", True),
     "InferenceService": ("/apis/serving.kserve.io/v1beta1", "inferenceservices", True),
+    "RayService": ("/apis/ray.io/v1", "rayservices", True),
     "CustomResourceDefinition": ("/apis/apiextensions.k8s.io/v1", "customresourcedefinitions", False),
 }
 
@@ -159,6 +160,17 @@ class Kube:
             if exc.status == 403:
                 return False  # not allowed to look: treat as absent, the caller reports it
             raise
+
+    def serves(self, api_version: str, plural: str) -> bool:
+        """Whether the API server serves the resource (its CRD is installed), from API discovery:
+        a small answer that every authenticated client may read."""
+        try:
+            found = self._call("GET", f"/apis/{api_version}")
+        except KubeError as exc:
+            if exc.status in (403, 404):
+                return False
+            raise
+        return any(r.get("name") == plural for r in found.get("resources") or [])
 
     def apply(self, obj: dict[str, Any], keep_replicas: bool = False) -> tuple[dict[str, Any], bool]:
         """Create the object or merge-patch it to the built form; returns (object, created).

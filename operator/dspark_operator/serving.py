@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dspark_operator import builders
+from dspark_operator import builders, ray_builders
 from dspark_operator.kube import Kube
 from dspark_operator.profiling import Event
 from dspark_operator.spec import ServiceSpec, TierSpec
@@ -18,6 +18,9 @@ class WorkloadOutcome:
     tiers: dict[str, dict[str, Any]] = field(default_factory=dict)
     events: list[Event] = field(default_factory=list)
     kserve_missing: bool = False
+    kuberay_missing: bool = False
+    # The RayService's readiness as KubeRay reports it: (ready, message); None in the Deployment mode.
+    ray_service_ready: tuple[bool, str] | None = None
 
 
 def place_tier(spec: ServiceSpec, tier: TierSpec, ready: dict[str, str]) -> str | None:
@@ -25,17 +28,25 @@ def place_tier(spec: ServiceSpec, tier: TierSpec, ready: dict[str, str]) -> str 
     return next((t for t in spec.tier_node_types(tier) if t in ready), None)
 
 
-def workload_replicas(kube: Kube, kind: str, namespace: str, name: str) -> int | None:
+def workload_replicas(kube: Kube, kind: str, namespace: str, name: str, tier: str) -> int | None:
+    """The tier's replicas as its workload holds them; None when there is no workload yet."""
     obj = kube.get(kind, namespace, name)
     if obj is None:
         return None
+    if kind == ray_builders.KIND:
+        return ray_builders.tier_replicas(obj).get(tier)
     if kind == "InferenceService":
         return int(obj["spec"]["predictor"].get("minReplicas", 0))
     return int(obj["spec"].get("replicas", 1))
 
 
-def set_workload_replicas(kube: Kube, kind: str, namespace: str, name: str, replicas: int) -> None:
-    if kind == "InferenceService":
+def set_workload_replicas(kube: Kube, kind: str, namespace: str, name: str, tier: str, replicas: int) -> None:
+    if kind == ray_builders.KIND:
+        obj = kube.get(kind, namespace, name)
+        if obj is None:
+            return  # removed since the replicas were read: the next reconcile builds it again
+        patch = ray_builders.scale_patch(obj, tier, replicas)
+    elif kind == "InferenceService":
         patch = {"spec": {"predictor": {"minReplicas": replicas, "maxReplicas": max(replicas, 1)}}}
     else:
         patch = {"spec": {"replicas": replicas}}
@@ -97,6 +108,8 @@ def reconcile_workloads(
             "created": created,
         }
 
+    if any((status or {}).get("kind") == ray_builders.KIND for status in tier_status.values()):
+        kube.delete(ray_builders.KIND, namespace, ray_builders.rayservice_name(service))  # runtime switched
     wanted = {t.name for t in spec.tiers}
     for stale_kind in ("Deployment", "Service"):
         for obj in kube.list(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Annotated, Any, Literal
 
 from dspark.tier_format import SlaTier
@@ -11,6 +12,36 @@ GROUP = "dspark.ai"
 VERSION = "v1alpha1"
 PLURAL = "dsparkservices"
 KIND = "DSparkService"
+
+
+def flag_args(argv: Iterable[str]) -> dict[str, Any]:
+    """`dspark serve` flags as ServeConfig fields: `--max-num-seqs 32` -> {"max_num_seqs": "32"}.
+
+    A flag without a value is True, `--no-x` is x False, several values make a list; the values
+    stay strings, which ServeConfig converts as the command line does.
+    """
+    args: dict[str, Any] = {}
+    name: str | None = None
+    for token in argv:
+        if token.startswith("--"):
+            flag, has_value, value = token[2:].partition("=")
+            name = flag.replace("-", "_")
+            if not name:
+                raise ValueError(f"extraArgs: {token!r} names no flag")
+            if has_value:
+                args[name], name = value, None
+            elif name.startswith("no_"):
+                args[name.removeprefix("no_")], name = False, None
+            else:
+                args[name] = True
+        elif name is None:
+            raise ValueError(f"extraArgs: {token!r} follows no --flag")
+        elif args[name] is True:
+            args[name] = token
+        else:
+            previous = args[name]
+            args[name] = [*(previous if isinstance(previous, list) else [previous]), token]
+    return args
 
 
 class _Spec(BaseModel):
@@ -47,6 +78,17 @@ class ServingSpec(_Spec):
     drain_seconds: int = Field(30, alias="drainSeconds", ge=0)
     # The preStop hook's wait, while kube-proxy stops routing new connections to the pod.
     pre_stop_seconds: int = Field(5, alias="preStopSeconds", ge=0)
+
+
+class RayServiceSpec(_Spec):
+    """The Ray cluster of `runtime: rayservice`: its head pod (worker pods take `resources`)."""
+
+    ray_version: str | None = Field(None, alias="rayVersion")
+    # The head runs the GCS, the Serve controller and the HTTP proxy, no engine: CPU and memory only.
+    head_resources: dict[str, Any] = Field(
+        default_factory=lambda: {"requests": {"cpu": "1", "memory": "4Gi"}, "limits": {"memory": "4Gi"}},
+        alias="headResources",
+    )
 
 
 class ProfilingSpec(_Spec):
@@ -103,6 +145,9 @@ class ServiceSpec(_Spec):
     node_type_label: str | None = Field(None, alias="nodeTypeLabel")
     node_types: tuple[str, ...] = Field(alias="nodeTypes", min_length=1)
     serving: ServingSpec = ServingSpec()
+    # `deployment`: a Deployment (or InferenceService) per tier; `rayservice`: one KubeRay RayService.
+    runtime: Literal["deployment", "rayservice"] = "deployment"
+    ray_service: RayServiceSpec = Field(RayServiceSpec(), alias="rayService")
     profiling: ProfilingSpec = ProfilingSpec()
     autoscaling: AutoscalingSpec = AutoscalingSpec()
     tiers: tuple[TierSpec, ...] = Field(min_length=1)
@@ -117,6 +162,10 @@ class ServiceSpec(_Spec):
                 raise ValueError(
                     f"tier {tier.name!r}: nodeTypes {sorted(unknown)} are not in the service's nodeTypes"
                 )
+        if self.runtime == "rayservice" and self.serving.kind != "Deployment":
+            raise ValueError(f"serving.kind {self.serving.kind} runs only with runtime deployment")
+        if self.runtime == "rayservice":
+            flag_args(self.extra_args)  # the applications' args take flags and their values only
         return self
 
     def tier_node_types(self, tier: TierSpec) -> tuple[str, ...]:

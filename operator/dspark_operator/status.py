@@ -85,10 +85,18 @@ def service_status(
     if workloads.kserve_missing:
         message = "KServe is not installed; using Deployments"
         conditions.append(condition(old_conditions, "KServeAvailable", False, "CRDMissing", message, now))
+    if workloads.kuberay_missing:
+        message = "runtime rayservice, but KubeRay's RayService CRD is not installed"
+        conditions.append(condition(old_conditions, "KubeRayAvailable", False, "CRDMissing", message, now))
+    if workloads.ray_service_ready is not None:
+        ok, message = workloads.ray_service_ready
+        reason = "Ready" if ok else "NotReady"
+        conditions.append(condition(old_conditions, "RayServiceReady", ok, reason, message, now))
     if metrics is not None:
         conditions.append(metrics)
+    degraded = failed or workloads.kuberay_missing
     return {
-        "phase": "Ready" if all_deployed and not failed else "Degraded" if failed else "Profiling",
+        "phase": "Ready" if all_deployed and not degraded else "Degraded" if degraded else "Profiling",
         "profiles": profiles,
         "profilesReady": f"{len(ready)}/{len(present)}",
         "tiers": _tiers_patch(old.get("tiers") or {}, workloads.tiers, now),

@@ -13,11 +13,12 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from dspark_operator import builders
+from dspark_operator import builders, ray_builders
 from dspark_operator.autoscaler import DESIRED_REPLICAS
 from dspark_operator.spec import ServiceSpec
 
 from scripts.fetch_helm import fetch_helm
+from tests.operator.crd_schemas import crd_schema, kuberay_validator, to_json_schema
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "dspark"
@@ -78,16 +79,7 @@ def render(helm: str, values: list[str]) -> list[dict]:
 
 
 def crd_json_schema() -> dict:
-    def convert(node):
-        if isinstance(node, dict):
-            out = {k: convert(v) for k, v in node.items() if not k.startswith("x-kubernetes")}
-            if out.get("exclusiveMinimum") is True:
-                out["exclusiveMinimum"] = out.pop("minimum")
-            return out
-        return [convert(v) for v in node] if isinstance(node, list) else node
-
-    crd = yaml.safe_load(CRD.read_text())
-    return convert(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
+    return to_json_schema(crd_schema())
 
 
 def test_chart_crd_is_the_operators_crd():
@@ -199,6 +191,42 @@ def test_serving_scheduling_values_reach_the_pods_the_operator_builds(helm):
     assert result.returncode != 0 and "name" in result.stderr
 
 
+def test_the_examples_rayservice_runtime_builds_a_rayservice_kuberay_accepts(helm):
+    values = [
+        *EVERYTHING_ON,
+        "--set",
+        "example.runtime=rayservice",
+        "--set",
+        "example.rayService.rayVersion=2.60.0",
+        "--set-json",
+        'example.extraArgs=["--max-num-seqs", "32"]',
+    ]
+    example = next(d for d in render(helm, values) if d["kind"] == "DSparkService")
+    jsonschema.validate(example, crd_json_schema())
+    assert example["spec"]["runtime"] == "rayservice"
+    body = {**example, "metadata": {**example["metadata"], "uid": "u-1"}}
+    spec = ServiceSpec.model_validate(example["spec"])
+    ready = {t: "fp" for t in spec.node_types}
+    placed = {t.name: spec.node_types[0] for t in spec.tiers}
+    replicas = {t.name: t.min_replicas for t in spec.tiers}
+    rayservice = ray_builders.build_rayservice(body, spec, "gpu", ready, placed, replicas)
+    kuberay_validator().validate(rayservice)
+    assert rayservice["spec"]["rayClusterConfig"]["rayVersion"] == "2.60.0"
+
+
+def test_the_operator_may_manage_rayservices_and_nothing_else_of_kuberay(helm):
+    for docs in (render(helm, []), render(helm, VALUE_SETS["clusterwide"])):
+        rules = [r for d in docs if d["kind"] in ("ClusterRole", "Role") for r in d["rules"]]
+        kuberay = [r for r in rules if "ray.io" in r["apiGroups"]]
+        assert kuberay == [
+            {
+                "apiGroups": ["ray.io"],
+                "resources": ["rayservices"],
+                "verbs": ["get", "create", "patch", "delete"],
+            }
+        ]
+
+
 def operator_env(docs: list[dict]) -> dict[str, str]:
     operator = next(d for d in docs if d["kind"] == "Deployment")
     return {e["name"]: e["value"] for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]}
@@ -245,6 +273,21 @@ def test_network_policies_open_only_the_ports_that_serve(helm):
     assert rule["from"][0] == {"namespaceSelector": {"matchLabels": {"team": "gateway"}}}
     assert rule["from"][1]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "operator"
     assert policies["rel-dspark-profiling"]["ingress"] == []
+    # Ray pods: all of Ray's traffic among themselves, the Serve port as serving pods' HTTP port,
+    # and the head's dashboard and Serve port for KubeRay's operator (any peer unless narrowed).
+    ray = policies["rel-dspark-ray"]
+    assert ray["podSelector"]["matchLabels"]["dspark.ai/component"] == "ray"
+    among, serve, kuberay = ray["ingress"]
+    assert (
+        "ports" not in among
+        and among["from"][0]["podSelector"]["matchLabels"]["dspark.ai/component"] == "ray"
+    )
+    assert serve["ports"] == [{"port": "serve", "protocol": "TCP"}] and serve["from"] == rule["from"]
+    assert kuberay["ports"] == [
+        {"port": "dashboard", "protocol": "TCP"},
+        {"port": "serve", "protocol": "TCP"},
+    ]
+    assert "from" not in kuberay
     assert not [
         d for d in render(helm, ["--set", "networkPolicy.enabled=false"]) if d["kind"] == "NetworkPolicy"
     ]

@@ -49,6 +49,13 @@ RESOURCES = {
     "apps/v1/deployments": kmock.ResourceInfo(
         kind="Deployment", namespaced=True, verbs={"get", "list", "create", "patch", "delete"}
     ),
+    # KubeRay's, for `runtime: rayservice` (its CRD is what tests/fixtures/kuberay holds).
+    "ray.io/v1/rayservices": kmock.ResourceInfo(
+        kind="RayService",
+        namespaced=True,
+        subresources={"status"},
+        verbs={"get", "list", "watch", "create", "patch", "delete"},
+    ),
     # What the chart installs beside the operator's own objects (tests/chart applies it).
     **{
         f"{group_version}/{kind.lower()}s": kmock.ResourceInfo(
@@ -66,10 +73,16 @@ RESOURCES = {
 }
 
 
+# kmock logs every request and matches each new one through the log of its handlers' views, which
+# makes a long run quadratic; no test looks back at old requests, so only the recent ones are kept.
+REQUEST_LOG = 64
+
+
 class ClusterEmulator(kmock.KubernetesEmulator):
     _versions = itertools.count(1)
 
     async def _handle(self, request: kmock.Request):  # type: ignore[override]
+        del self._requests[:-REQUEST_LOG]
         if request.resource is not None and isinstance(request.data, dict):
             version = str(next(self._versions))
             if request.action == kmock.action.CREATE:

@@ -11,12 +11,12 @@ import jsonschema
 import pytest
 import yaml
 from click.testing import CliRunner
+from crd_schemas import crd_schema, to_json_schema
 from dspark.commands.serve import serve
 from dspark_operator import builders
 from dspark_operator.scaling import ScalingMemory, ScalingPolicy, TierTarget, decide
 from dspark_operator.spec import ServiceSpec
 from operator_fixtures import SERVICE, service
-from test_operator_units import crd_schema, to_json_schema
 
 ROOT = Path(__file__).resolve().parents[2]
 BODY = {**SERVICE, "metadata": {"name": "chat", "namespace": "ml", "uid": "u-1"}}

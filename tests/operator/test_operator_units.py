@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import jsonschema
 import pytest
-import yaml
+from crd_schemas import crd_schema, to_json_schema
 from dspark.sps_format import PROFILE_BEGIN, PROFILE_END, SpsProfile, extract_profile_from_log
 from dspark_operator import builders
 from dspark_operator.config import OperatorConfig
@@ -30,8 +29,6 @@ from dspark_operator.profiling import (
 )
 from dspark_operator.spec import ProfilingSpec, ServiceSpec
 from operator_fixtures import PROFILE, SERVICE, profile_json, service
-
-CRD_PATH = Path(__file__).parents[2] / "operator/dspark_operator/crds/dsparkservices.dspark.ai.yaml"
 
 
 def test_profile_interpolates_and_extrapolates():
@@ -379,23 +376,6 @@ def test_spec_validation_errors_are_clear():
     stray = service(tiers=[{**SERVICE["spec"]["tiers"][0], "nodeTypes": ["Tesla-T4"]}])
     with pytest.raises(ValueError, match="Tesla-T4"):
         ServiceSpec.model_validate(stray["spec"])
-
-
-def crd_schema() -> dict:
-    crd = yaml.safe_load(CRD_PATH.read_text())
-    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-
-
-def to_json_schema(node):
-    """OpenAPI v3 (structural) to JSON Schema: drop x-kubernetes-*, map boolean exclusiveMinimum."""
-    if isinstance(node, dict):
-        out = {k: to_json_schema(v) for k, v in node.items() if not k.startswith("x-kubernetes")}
-        if out.get("exclusiveMinimum") is True:
-            out["exclusiveMinimum"] = out.pop("minimum")
-        return out
-    if isinstance(node, list):
-        return [to_json_schema(v) for v in node]
-    return node
 
 
 def test_crd_schema_accepts_example_and_rejects_missing_target():
