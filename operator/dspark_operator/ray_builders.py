@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import yaml
+from dspark.node_resources import node_resources
 
 from dspark_operator import pod_security
 from dspark_operator.builders import (
@@ -37,8 +38,6 @@ KIND = "RayService"
 IMPORT_PATH = "dspark.serving.app:build_app"
 # The deployment of a tier's application that holds the engines; its num_replicas is the tier's.
 ENGINE_DEPLOYMENT = "EngineBackend"
-NODE_TYPE_RESOURCE = "dspark/node-type/{}"
-REPLICA_SLOTS_RESOURCE = "dspark/replica-slots"
 PROFILES_MOUNT = "/etc/dspark/profiles"
 GPU_RESOURCE = "nvidia.com/gpu"
 # Read back by a scaling pass: which node type each tier's replicas count against, and how many
@@ -89,6 +88,9 @@ def serve_args(spec: ServiceSpec, service: str, node_types: Iterable[str]) -> di
         "served_model_name": served_model_names(spec, service),
         "graceful_shutdown_timeout_s": spec.serving.drain_seconds,
         "sps_profiles": {node_type: profile_path(node_type) for node_type in node_types},
+        # The ingress and a routed engine deployment at any replica count, so that the tier's
+        # replicas are always the engine deployment's to set.
+        "router": "prefix",
     }
     if replica_gpus(spec):
         args["num_gpus_per_replica"] = 1
@@ -172,7 +174,7 @@ def _pod_spec(spec: ServiceSpec, container: dict[str, Any], volumes: list[dict])
     }
 
 
-def _quoted_resources(resources: Mapping[str, int]) -> str:
+def _quoted_resources(resources: Mapping[str, float]) -> str:
     """rayStartParams' `resources`: JSON inside double quotes, as `ray start --resources` takes it
     through KubeRay's shell command line."""
     return '"' + json.dumps(dict(resources)).replace('"', '\\"') + '"'
@@ -223,7 +225,7 @@ def _worker_group(
         **_pod_spec(spec, container, [profile_volume, *volumes]),
         **scheduling(spec, node_label, node_type),
     }
-    resources = {NODE_TYPE_RESOURCE.format(node_type): 1, REPLICA_SLOTS_RESOURCE: replica_slots(spec)}
+    resources = node_resources(node_type, replica_slots(spec))
     return {
         "groupName": slug(node_type),
         "replicas": workers,

@@ -166,6 +166,10 @@ class ServiceSpec(_Spec):
             raise ValueError(f"serving.kind {self.serving.kind} runs only with runtime deployment")
         if self.runtime == "rayservice":
             flag_args(self.extra_args)  # the applications' args take flags and their values only
+            if self.api_key_secret_ref is not None:
+                # A Serve application's settings are its args, in the RayService in plain text;
+                # the pods' environment does not reach them.
+                raise ValueError("apiKeySecretRef runs only with runtime deployment")
         return self
 
     def tier_node_types(self, tier: TierSpec) -> tuple[str, ...]:

@@ -11,6 +11,8 @@ import yaml
 from click.testing import CliRunner
 from crd_schemas import kuberay_validator
 from dspark.commands.serve import serve
+from dspark.node_resources import REPLICA_SLOTS, node_resources
+from dspark.serving.app import build_app
 from dspark.serving.config import ServeConfig
 from dspark_operator import builders, ray_builders
 from dspark_operator.ray_serving import reconcile_rayservice
@@ -50,7 +52,6 @@ def groups(obj: dict) -> dict[str, dict]:
         {},
         {
             "model": {**SERVICE["spec"]["model"], "pvc": {"claimName": "models"}, "calibration": "/m/c.json"},
-            "apiKeySecretRef": {"name": "key"},
             "tolerations": [{"key": "team", "operator": "Equal", "value": "ml", "effect": "NoSchedule"}],
             "imagePullSecrets": [{"name": "registry"}],
             "rayService": {"rayVersion": "2.60.0", "headResources": {"requests": {"cpu": "2"}}},
@@ -118,10 +119,7 @@ def test_a_worker_group_per_profiled_node_type_placed_and_sized_like_the_deploym
             group["template"]["metadata"]["annotations"]["dspark.ai/profile-fingerprint"] == READY[node_type]
         )
         # The contract with the serving side: the node type and its replica slots as Ray resources.
-        assert json.loads(json.loads(group["rayStartParams"]["resources"])) == {
-            f"dspark/node-type/{node_type}": 1,
-            "dspark/replica-slots": 1,
-        }
+        assert json.loads(json.loads(group["rayStartParams"]["resources"])) == node_resources(node_type, 1)
     assert groups(obj)["NVIDIA-H200"]["replicas"] == 3 and groups(obj)["NVIDIA-L40S"]["replicas"] == 1
     head = obj["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
     assert "nodeSelector" not in head and "nvidia.com/gpu" not in json.dumps(
@@ -177,11 +175,10 @@ def test_each_application_runs_the_settings_of_the_deployment_modes_command_line
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     expected = served_config(container["command"], container["env"])
     args = serve_config(build(spec))["applications"][0]["args"]
-    # Each replica finds its own node type's profile (sps_profiles) and takes a GPU of its pod.
-    placement = {"sps_profiles", "num_gpus_per_replica"}
-    got = ServeConfig.model_validate({k: v for k, v in args.items() if k not in placement}).effective()
+    got = ServeConfig.model_validate(args).effective()
     assert got["engine"] == {**expected["engine"], "sps_profile": None}
-    listen = {"host", "port"}  # the Serve proxy's, from http_options
+    # Where the Serve proxy listens (http_options), how replicas are placed and routed: the cluster's.
+    listen = {"host", "port", "sps_profiles", "num_gpus_per_replica", "router"}
     assert {k: v for k, v in got["server"].items() if k not in listen} == {
         k: v for k, v in expected["server"].items() if k not in listen
     }
@@ -204,6 +201,7 @@ def test_flags_become_fields():
         ({"extraArgs": ["32"]}, "'32' follows no --flag"),
         ({"serving": {"kind": "InferenceService"}}, "runs only with runtime deployment"),
         ({"runtime": "ray"}, "runtime"),
+        ({"apiKeySecretRef": {"name": "key"}}, "apiKeySecretRef runs only with runtime deployment"),
     ],
 )
 def test_a_spec_the_rayservice_mode_cannot_run_is_refused(fields, message):
@@ -232,3 +230,14 @@ def test_without_kuberay_what_serves_keeps_serving_and_the_status_says_why():
     assert status["phase"] == "Degraded"
     kuberay = next(c for c in status["conditions"] if c["type"] == "KubeRayAvailable")
     assert kuberay["status"] == "False" and "RayService CRD" in kuberay["message"]
+
+
+def test_each_tiers_replicas_are_the_engine_deployment_its_application_builds():
+    """The deployment whose num_replicas a tier's replicas set is the one build_app builds behind
+    the HTTP ingress, at any count, and its replicas take a worker's replica slot and a GPU."""
+    for app in serve_config(build(ray_spec(), replicas={"interactive": 1, "batch": 1}))["applications"]:
+        ingress = build_app(app["args"])._bound_deployment
+        engine = ingress.init_args[0]._bound_deployment
+        assert [d["name"] for d in app["deployments"]] == [engine.name] == [ray_builders.ENGINE_DEPLOYMENT]
+        assert engine.ray_actor_options["resources"] == {REPLICA_SLOTS: 1.0}
+        assert engine.ray_actor_options["num_gpus"] == 1
