@@ -51,6 +51,17 @@ def client(replica) -> TestClient:
         yield c
 
 
+@pytest.fixture(scope="module", params=["process", "thread"])
+def shared_client(request) -> TestClient:
+    """A client shared by a module's tests that need no fresh engine (nothing counted from zero): one
+    engine process for them all instead of one per test, each an interpreter importing torch."""
+    factory = make_process_replica if request.param == "process" else make_replica
+    replica = factory(max_output_tokens=64)
+    with make_client(replica) as c:
+        yield c
+    replica.shutdown()
+
+
 @pytest.fixture
 def fake():
     """A fake engine (8 slots) and a client of the OpenAI app over it, the engine on a thread."""

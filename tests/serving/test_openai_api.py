@@ -29,16 +29,16 @@ def oai(client) -> openai.OpenAI:
     return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client, max_retries=0)
 
 
-def test_completion_and_usage(client):
-    r = oai(client).completions.create(model="fake-model", prompt="Hello", max_tokens=9, temperature=0)
+def test_completion_and_usage(shared_client):
+    r = oai(shared_client).completions.create(model="fake-model", prompt="Hello", max_tokens=9, temperature=0)
     assert r.choices[0].text == expected_text("Hello", 9)
     assert r.choices[0].finish_reason == "length"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (5, 9, 14)
     assert r.object == "text_completion" and r.model == "fake-model"
 
 
-def test_streamed_completion_equals_non_streamed(client):
-    c = oai(client)
+def test_streamed_completion_equals_non_streamed(shared_client):
+    c = oai(shared_client)
     chunks = list(
         c.completions.create(
             model="fake-model",
@@ -54,8 +54,8 @@ def test_streamed_completion_equals_non_streamed(client):
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
 
 
-def test_chat_stream_and_not(client):
-    c = oai(client)
+def test_chat_stream_and_not(shared_client):
+    c = oai(shared_client)
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     full = c.chat.completions.create(model="fake-model", messages=msgs, max_tokens=7, temperature=0)
     prompt = TOK.apply_chat_template(msgs)
@@ -80,31 +80,31 @@ def test_chat_stream_and_not(client):
     assert stream[-1].usage.total_tokens == full.usage.total_tokens
 
 
-def test_seeded_sampling_is_reproducible(client):
-    c = oai(client)
+def test_seeded_sampling_is_reproducible(shared_client):
+    c = oai(shared_client)
     a = c.completions.create(model="fake-model", prompt="x", max_tokens=8, temperature=0.9, seed=42)
     b = c.completions.create(model="fake-model", prompt="x", max_tokens=8, temperature=0.9, seed=42)
     assert a.choices[0].text == b.choices[0].text
 
 
-def test_stop_string(client):
+def test_stop_string(shared_client):
     text = expected_text("Hello", 20)
     stop = text[5]  # one character: the fake engine does not hold back partial stop matches
-    r = oai(client).completions.create(
+    r = oai(shared_client).completions.create(
         model="fake-model", prompt="Hello", max_tokens=20, temperature=0, stop=[stop]
     )
     assert r.choices[0].finish_reason == "stop" and r.choices[0].text == text[: text.index(stop)]
 
 
-def test_completion_logprobs_and_token_ids(client):
-    r = oai(client).completions.create(
+def test_completion_logprobs_and_token_ids(shared_client):
+    r = oai(shared_client).completions.create(
         model="fake-model", prompt="Hello", max_tokens=4, temperature=0, logprobs=2
     )
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == 4 and "".join(lp.tokens) == r.choices[0].text
     assert lp.token_logprobs == [-0.25] * 4 and all(len(t) == 2 for t in lp.top_logprobs)
     assert lp.text_offset == [0, 1, 2, 3]
-    r2 = client.post(
+    r2 = shared_client.post(
         "/v1/completions",
         json={
             "model": "fake-model",
@@ -119,8 +119,8 @@ def test_completion_logprobs_and_token_ids(client):
     assert all(t.startswith("token_id:") for t in tokens) and len(tokens) == 3
 
 
-def test_chat_logprobs(client):
-    r = oai(client).chat.completions.create(
+def test_chat_logprobs(shared_client):
+    r = oai(shared_client).chat.completions.create(
         model="fake-model",
         messages=[{"role": "user", "content": "Hi"}],
         max_tokens=3,
@@ -133,8 +133,8 @@ def test_chat_logprobs(client):
     assert all(len(t.top_logprobs) == 2 and t.logprob == -0.25 for t in content)
 
 
-def test_models(client):
-    data = oai(client).models.list().data
+def test_models(shared_client):
+    data = oai(shared_client).models.list().data
     assert [m.id for m in data] == ["fake-model"]
 
 
@@ -177,21 +177,21 @@ BAD = [
 
 
 @pytest.mark.parametrize(("path", "body", "needle"), BAD)
-def test_bad_input_gets_400_with_openai_error(client, path, body, needle):
+def test_bad_input_gets_400_with_openai_error(shared_client, path, body, needle):
     if isinstance(body, bytes):
-        r = client.post(path, content=body, headers={"content-type": "application/json"})
+        r = shared_client.post(path, content=body, headers={"content-type": "application/json"})
     else:
-        r = client.post(path, json=body)
+        r = shared_client.post(path, json=body)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert needle in (err["message"] + str(err.get("param"))).lower() or needle == "malformed"
     assert err["type"] == "BadRequestError"
 
 
-def test_unknown_model_is_404_and_openai_client_raises(client):
+def test_unknown_model_is_404_and_openai_client_raises(shared_client):
     with pytest.raises(openai.NotFoundError):
-        oai(client).completions.create(model="gpt-9", prompt="x", max_tokens=2)
-    r = client.get("/v1/nowhere")
+        oai(shared_client).completions.create(model="gpt-9", prompt="x", max_tokens=2)
+    r = shared_client.get("/v1/nowhere")
     assert r.status_code == 404 and "error" in r.json()
 
 
@@ -262,8 +262,8 @@ def test_metrics_exposed_and_consistent(client):
     assert s[("dspark_confidence_calibration_error", ())] == pytest.approx(0.1 * accepted / draft)
 
 
-def test_sse_wire_format(client):
-    with client.stream(
+def test_sse_wire_format(shared_client):
+    with shared_client.stream(
         "POST",
         "/v1/completions",
         json={"model": "fake-model", "prompt": "ab", "max_tokens": 4, "temperature": 0, "stream": True},
