@@ -214,3 +214,21 @@ def fake_engine_factory(
         Path(building_marker).touch()
     time.sleep(build_s)
     return FakeEngine(**settings)
+
+
+def node_recording_factory(config: object, log: str) -> FakeEngine:
+    """A FakeEngine built on a thread of a Ray replica (`engine_in_thread`), after writing to the file
+    `log` one JSON line: the replica's Ray node, and the SPS profile it was given and what it holds."""
+    import json
+
+    import ray
+
+    profile = getattr(config, "sps_profile", None)
+    record = {
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "sps_profile": str(profile) if profile else None,
+        "profile_text": Path(profile).read_text() if profile else None,
+    }
+    with open(log, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    return FakeEngine()
