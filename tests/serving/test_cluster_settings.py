@@ -77,12 +77,20 @@ def test_a_replica_takes_its_node_types_profile_and_cpu_share():
         cfg.model_copy(update={"num_cpus_per_replica": 2.0}), node_resources("gpu-h100", 1)
     )
     assert on_h100.sps_profile == PROFILES["gpu-h100"] and on_h100.num_cpus_per_replica == 2
-    with pytest.raises(RuntimeError, match=r"'cpu-big'.*cpu-small"):
-        settings_on_node(cfg, node_resources("cpu-big", 1))
-    with pytest.raises(RuntimeError, match="no dspark/node-type"):
-        settings_on_node(cfg, {"CPU": 4.0})
     unplaced = ServeConfig()
     assert settings_on_node(unplaced, {"CPU": 4.0}) is unplaced
+
+
+def test_a_node_type_without_a_profile_measures_one_unless_strict():
+    cfg = ServeConfig(num_replicas=3, sps_profiles=PROFILES)
+    on_big = settings_on_node(cfg, {"CPU": 4.0, **node_resources("cpu-big", 1)})
+    assert on_big.sps_profile is None and on_big.sps_profiles is None and on_big.num_cpus_per_replica == 4
+    assert on_big.engine_config().sps_profile is None  # the engine's own lookup, as on one server
+    strict = cfg.model_copy(update={"strict_profile": True})
+    with pytest.raises(RuntimeError, match=r"'cpu-big'.*cpu-small.*strict_profile"):
+        settings_on_node(strict, node_resources("cpu-big", 1))
+    with pytest.raises(RuntimeError, match="no dspark/node-type"):
+        settings_on_node(strict, {"CPU": 4.0, REPLICA_SLOTS: 1.0})
 
 
 def test_the_import_paths_args_are_the_command_lines_settings():

@@ -170,7 +170,8 @@ def test_replicas_go_to_their_node_types_and_come_back_after_a_node_dies(ray_clu
 
 @pytest.fixture(scope="module")
 def tiny_target(smollm_dir, tmp_path_factory) -> dict[str, str]:
-    """Settings of a real engine over a tiny random model (SmolLM2's tokenizer), cheap to load."""
+    """Settings of a real engine over a tiny random model (SmolLM2's tokenizer), cheap to load; on
+    the replica's thread, which spares a process start (the engine process has tests of its own)."""
     from transformers import AutoTokenizer
 
     vocab = len(AutoTokenizer.from_pretrained(smollm_dir))
@@ -187,6 +188,7 @@ def tiny_target(smollm_dir, tmp_path_factory) -> dict[str, str]:
         "max_model_len": 128,
         "max_output_tokens": 16,
         "num_cpus_per_replica": 1,
+        "engine_in_thread": True,
         "graceful_shutdown_timeout_s": 1,
     }
 

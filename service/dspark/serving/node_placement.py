@@ -18,24 +18,30 @@ def placement_resources(config: ServeConfig) -> dict[str, float]:
 
 def settings_on_node(config: ServeConfig, resources: Mapping[str, float]) -> ServeConfig:
     """The replica's settings on a node with these Ray resources: its node type's SPS profile and,
-    unless `num_cpus_per_replica` says otherwise, the node's CPUs shared by its replica slots."""
+    unless `num_cpus_per_replica` says otherwise, the node's CPUs shared by its replica slots.
+
+    A node type without a profile in `sps_profiles` is served as a single server is: the engine
+    takes a stored profile that matches it or measures one, unless `strict_profile` refuses.
+    """
     if config.sps_profiles is None:
         return config
     node_type = node_type_of(resources)
-    if node_type is None:
-        raise RuntimeError(
-            f"this replica's Ray node carries no dspark/node-type/* resource (it has {sorted(resources)})"
-        )
-    profile = config.sps_profiles.get(node_type)
-    if profile is None:
-        raise RuntimeError(
-            f"sps_profiles has no profile for node type {node_type!r} (it has {sorted(config.sps_profiles)})"
-        )
-    update = {"sps_profile": profile, "sps_profiles": None}
+    profile = config.sps_profiles.get(node_type) if node_type is not None else None
+    update: dict[str, object] = {"sps_profile": profile, "sps_profiles": None}
     if config.num_cpus_per_replica is None:
         share = resources.get("CPU", 1.0) / max(1.0, resources.get(REPLICA_SLOTS, 1.0))
         update["num_cpus_per_replica"] = float(max(1, int(share)))
-    log.info("replica on node type %s: SPS profile %s", node_type, profile)
+    if profile is not None:
+        log.info("replica on node type %s: SPS profile %s", node_type, profile)
+        return config.model_copy(update=update)
+    missing = (
+        f"sps_profiles has no profile for node type {node_type!r} (it has {sorted(config.sps_profiles)})"
+        if node_type is not None
+        else f"this replica's Ray node carries no dspark/node-type/* resource (it has {sorted(resources)})"
+    )
+    if config.strict_profile:
+        raise RuntimeError(f"{missing}, and strict_profile is set")
+    log.warning("%s: the engine takes a stored profile of this hardware or measures one", missing)
     return config.model_copy(update=update)
 
 
