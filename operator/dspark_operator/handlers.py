@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import threading
@@ -172,9 +173,10 @@ def autoscale_timer(
         spec = ServiceSpec.model_validate(plain["spec"])
     except pydantic.ValidationError:
         return  # reconcile reports it
-    # Under the reconcile lock: a RayService holds every tier's replicas in one field that both
-    # passes rewrite, and neither may put back a count the other just changed.
-    with _RECONCILE_LOCKS[plain["metadata"]["uid"]]:
+    # A RayService holds every tier's replicas in one field that both passes rewrite: under the
+    # reconcile lock, neither puts back a count the other just changed.
+    rayservice = spec.runtime == "rayservice"
+    with _RECONCILE_LOCKS[plain["metadata"]["uid"]] if rayservice else contextlib.nullcontext():
         outcome = autoscale_service(
             _State.kube, plain, spec, CONFIG, _State.source, _State.profile_cache, time.time()
         )
