@@ -186,6 +186,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--port", type=int, default=8250)
+    parser.add_argument(
+        "--engine-stall-timeout-s",
+        type=float,
+        default=300.0,
+        help="An engine's first step after its start can take longer than the server's 30 s on a busy "
+        "machine; the watchdog would kill it as hung.",
+    )
     parser.add_argument("--out", help="Write every run's figures to this JSON file.")
     args = parser.parse_args()
 
@@ -210,6 +217,7 @@ def main() -> None:
                         "max_num_seqs": args.max_num_seqs,
                         "build_in_background": False,
                         "port": args.port,
+                        "engine_stall_timeout_s": args.engine_stall_timeout_s,
                     },
                     environ={},
                 )
