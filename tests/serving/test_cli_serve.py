@@ -3,6 +3,7 @@ structured-output parse() with a pydantic model works, SIGTERM drains and cleans
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -140,6 +141,19 @@ def test_readme_starts_with_the_serve_command():
     first_block = re.search(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
     assert first_block.split()[:2] == ["make", "serve"]
     assert "dspark serve" in (ROOT / "Makefile").read_text()
+
+
+def test_the_one_engine_process_is_the_one_the_driver_prestarted(served):
+    """Started before Ray and taken over by the replica: no second engine was spawned."""
+    proc, port = served
+    engines = []
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if "dspark.serving.engine_core" in child.cmdline():
+                engines.append(child)
+    assert len(engines) == 1
+    assert engines[0].ppid() == proc.pid and "--listen" in engines[0].cmdline()
+    assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
 
 
 def test_sigterm_drains_in_flight_stream_and_leaves_nothing_running(served):

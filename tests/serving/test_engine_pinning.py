@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 from dspark.serving.config import load_config
-from dspark.serving.engine_process import EngineProcess, _child_env
+from dspark.serving.engine_process import EngineProcess, engine_env
 from dspark.serving.threads import GOMP_CPU_AFFINITY, OPENMP_PLACEMENT
 
 from tests.serving.fake_engine import FakeEngine
@@ -47,14 +47,14 @@ def test_pinned_only_where_the_cores_are_the_one_cpu_replicas_alone():
 
 
 def test_the_users_own_openmp_placement_wins(no_placement):
-    assert _child_env([2, 3])[GOMP_CPU_AFFINITY] == "2 3"
-    assert GOMP_CPU_AFFINITY not in _child_env(None)
+    assert engine_env([2, 3])[GOMP_CPU_AFFINITY] == "2 3"
+    assert GOMP_CPU_AFFINITY not in engine_env(None)
     # An empty GOMP_CPU_AFFINITY is not unset to libgomp (a 2-core engine ran 6x slower): never written.
-    assert GOMP_CPU_AFFINITY not in _child_env([])
+    assert GOMP_CPU_AFFINITY not in engine_env([])
     no_placement.setenv("OMP_PROC_BIND", "")  # empty: no placement
-    assert _child_env([2, 3])[GOMP_CPU_AFFINITY] == "2 3"
+    assert engine_env([2, 3])[GOMP_CPU_AFFINITY] == "2 3"
     no_placement.setenv("OMP_PROC_BIND", "spread")
-    assert GOMP_CPU_AFFINITY not in _child_env([2, 3])
+    assert GOMP_CPU_AFFINITY not in engine_env([2, 3])
 
 
 class AffinityProbe(FakeEngine):

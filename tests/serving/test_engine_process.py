@@ -8,16 +8,26 @@ import contextlib
 import functools
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import psutil
 import pytest
 from dspark.engine.sampling_params import SamplingParams
 from dspark.serving.engine_loop import AsyncEngineClient, EngineStopped
-from dspark.serving.engine_process import EngineProcess
+from dspark.serving.engine_prestart import (
+    PRESTARTED_ENGINE_ENV,
+    EngineHello,
+    PrestartedEngine,
+    adopt,
+    environment_differences,
+)
+from dspark.serving.engine_process import EngineProcess, engine_env
 from dspark.serving.metrics import ServingMetrics
 
 from tests.serving.fake_engine import fake_engine_factory
@@ -222,7 +232,7 @@ def _replica(body: str, **popen: object) -> subprocess.Popen:
         "from tests.serving.fake_engine import fake_engine_factory\n"
     ) + body
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "service"), str(ROOT)])}
-    return subprocess.Popen([sys.executable, "-c", script], env=env, **popen)
+    return subprocess.Popen([sys.executable, "-c", script], **{"env": env, **popen})
 
 
 def test_the_engine_process_dies_with_its_replica(tmp_path):
@@ -269,3 +279,77 @@ def test_an_engine_still_building_dies_with_its_replica(tmp_path):
         for child in children:
             with contextlib.suppress(psutil.NoSuchProcess):
                 child.kill()
+
+
+# The engine process `dspark serve` prestarts (engine_prestart) ---------------------------------------
+def test_a_prestarted_engine_is_taken_over_by_the_first_engine_process_only(monkeypatch):
+    prestarted = PrestartedEngine(engine_env(None))
+    monkeypatch.setenv(PRESTARTED_ENGINE_ENV, str(prestarted.path))
+    first = second = None
+    try:
+        first = start(max_num_seqs=2)
+        assert first.pid == prestarted.pid  # the prestarted process, not a spawned one
+        client = AsyncEngineClient(first, max_in_flight=4)
+        ids, last = asyncio.run(collect(client, [3, 1, 4]))
+        assert ids == reference([3, 1, 4], GREEDY) and last.finish_reason == "length"
+        second = start()  # a restart, or a second replica: the socket is gone, it spawns its own
+        assert second.pid not in (prestarted.pid, os.getpid()) and second.alive
+        first.stop(drain_timeout_s=2)
+        assert prestarted.wait(10) == 0  # stopped as a spawned engine stops
+    finally:
+        for proc in (first, second):
+            if proc is not None:
+                proc.stop(drain_timeout_s=0)
+        prestarted.close()
+
+
+def test_a_taken_over_engine_still_building_dies_with_its_replica(tmp_path):
+    """Not the replica's child, it watches the replica's pid while it builds."""
+    marker = tmp_path / "building"
+    replica_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "service"), str(ROOT)])}
+    prestarted = PrestartedEngine(engine_env(None, replica_env))
+    replica = _replica(
+        f"EngineProcess(functools.partial(fake_engine_factory, build_s=600, building_marker={str(marker)!r}), None)\n",
+        env={**replica_env, PRESTARTED_ENGINE_ENV: str(prestarted.path)},
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert marker.exists(), "the engine never started building"
+        assert not psutil.Process(replica.pid).children()  # it took the prestarted one over
+        replica.kill()
+        replica.wait(10)
+        assert prestarted.wait(10) == 0  # raises TimeoutExpired if the build outlived its replica
+    finally:
+        replica.kill()
+        replica.wait()
+        prestarted.close()
+
+
+def test_a_prestarted_engine_in_another_environment_is_not_taken_over(tmp_path, monkeypatch):
+    """It would run the engine with other settings than the replica's own (another CPU pinning,
+    another device list): the replica closes the connection and spawns its engine as usual."""
+    expected = engine_env(None)
+    path = tmp_path / "engine.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+    closed = threading.Event()
+
+    def prestarted_engine() -> None:
+        sock, _ = listener.accept()
+        conn = Connection(sock.detach())
+        conn.send(EngineHello(1, {**expected, "GOMP_CPU_AFFINITY": "7", "RAY_JOB_ID": "01"}, os.getcwd()))
+        with contextlib.suppress(EOFError):
+            conn.recv()
+        closed.set()
+
+    threading.Thread(target=prestarted_engine, daemon=True).start()
+    monkeypatch.setenv(PRESTARTED_ENGINE_ENV, str(path))
+    assert adopt(expected) is None
+    assert closed.wait(10)
+    # Ray's per-process variables aside, nothing may differ.
+    assert environment_differences(expected, {**expected, "RAY_JOB_ID": "01"}) == []
+    assert environment_differences(expected, {**expected, "GOMP_CPU_AFFINITY": "7"}) == ["GOMP_CPU_AFFINITY"]
+    listener.close()

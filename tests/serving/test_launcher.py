@@ -1,5 +1,6 @@
 """`serve_forever`'s way out: an interrupt drains a server that serves, and stops one still
-starting at once (a replica loading its engine would hold a drain for the whole grace period)."""
+starting at once (a replica loading its engine would hold a drain for the whole grace period);
+the engine process it prestarted goes either way."""
 
 from __future__ import annotations
 
@@ -8,12 +9,32 @@ import signal
 import pytest
 from dspark.serving import launcher
 from dspark.serving.config import ServeConfig
+from dspark.serving.engine_prestart import PRESTARTED_ENGINE_ENV, should_prestart
+
+
+class Prestarted:
+    """Stands in for the prestarted engine process."""
+
+    closed = False
+
+    def replica_env(self) -> dict[str, str]:
+        return {PRESTARTED_ENGINE_ENV: "/prestarted.sock"}
+
+    def close(self) -> None:
+        self.closed = True
 
 
 @pytest.fixture
-def stops(monkeypatch) -> list[bool]:
-    """Ray, the model and the signal handlers stubbed out; records each shutdown's `drain` (and, in
-    `stops.kept`, its `keep_cluster`)."""
+def prestarted(monkeypatch) -> Prestarted:
+    engine = Prestarted()
+    monkeypatch.setattr(launcher, "prestart_engine", lambda config: engine)
+    return engine
+
+
+@pytest.fixture
+def stops(monkeypatch, prestarted) -> list[bool]:
+    """Ray, the model, the prestarted engine and the signal handlers stubbed out; records each
+    shutdown's `drain` (and, in `stops.kept`, its `keep_cluster`)."""
     drains = Stops()
 
     def shutdown(drain: bool = True, keep_cluster: bool = False) -> None:
@@ -40,16 +61,16 @@ def _interrupt(*args, **kwargs):
     raise KeyboardInterrupt
 
 
-def test_an_interrupt_during_start_up_stops_without_draining(monkeypatch, stops):
+def test_an_interrupt_during_start_up_stops_without_draining(monkeypatch, stops, prestarted):
     monkeypatch.setattr(launcher, "run_openai_server", _interrupt)
     said: list[str] = []
     launcher.serve_forever(ServeConfig(), announce=said.append)
-    assert stops == [False] and stops.kept == [False] and stops.started == ["local"]
+    assert stops == [False] and stops.kept == [False] and stops.started == ["local"] and prestarted.closed
     assert said[-2:] == ["stopping before start-up finished", "stopped"]
     assert not any("DSpark Serve on" in line for line in said)
 
 
-def test_an_interrupt_while_serving_drains(monkeypatch, stops):
+def test_an_interrupt_while_serving_drains(monkeypatch, stops, prestarted):
     class Forever:
         def wait(self):
             raise KeyboardInterrupt
@@ -58,7 +79,7 @@ def test_an_interrupt_while_serving_drains(monkeypatch, stops):
     monkeypatch.setattr(launcher.threading, "Event", Forever)
     said: list[str] = []
     launcher.serve_forever(ServeConfig(), announce=said.append)
-    assert stops == [True]
+    assert stops == [True] and prestarted.closed
     assert said[-2:] == ["shutting down: draining in-flight requests", "stopped"]
 
 
@@ -72,3 +93,36 @@ def test_on_a_cluster_it_joins_and_leaves_the_cluster_running(monkeypatch, stops
     launcher.serve_forever(ServeConfig(address="ray://head:10001"), announce=said.append)
     assert stops.started == ["ray://head:10001"] and stops == [False] and stops.kept == [True]
     assert "joining the Ray cluster at ray://head:10001" in said[0]
+
+
+def test_the_replicas_learn_where_the_prestarted_engine_waits(monkeypatch, stops, prestarted):
+    envs: list[dict[str, str]] = []
+    monkeypatch.setattr(launcher, "start_ray", lambda num_cpus, env: envs.append(env))
+    monkeypatch.setattr(launcher, "run_openai_server", _interrupt)
+    launcher.serve_forever(ServeConfig(), announce=lambda line: None)
+    assert envs[0][PRESTARTED_ENGINE_ENV] == "/prestarted.sock"
+
+
+def test_a_failed_model_pull_leaves_no_prestarted_engine(monkeypatch, stops, prestarted):
+    def no_model(config):
+        raise RuntimeError("no such model")
+
+    monkeypatch.setattr(launcher, "prepare_model", no_model)
+    with pytest.raises(RuntimeError, match="no such model"):
+        launcher.serve_forever(ServeConfig(), announce=lambda line: None)
+    assert prestarted.closed
+
+
+@pytest.mark.parametrize(
+    ("settings", "prestarts"),
+    [
+        ({}, True),
+        ({"engine_in_thread": True}, False),
+        ({"num_replicas": 2}, False),
+        ({"num_gpus_per_replica": 1}, False),
+        ({"device": "cuda:0"}, False),
+        ({"address": "ray://head:10001"}, False),
+    ],
+)
+def test_only_the_one_cpu_replica_of_a_local_server_gets_a_prestarted_engine(settings, prestarts):
+    assert should_prestart(ServeConfig(**settings)) is prestarts

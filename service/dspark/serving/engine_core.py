@@ -14,8 +14,11 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
+
+import psutil
 
 from dspark.engine.outputs import RequestOutput
 from dspark.serving.config import ServeConfig
@@ -30,6 +33,7 @@ from dspark.serving.engine_messages import (
     StepReport,
     Stop,
 )
+from dspark.serving.engine_prestart import LISTEN_FLAG, await_replica
 from dspark.serving.grammar_jobs import GrammarJobs
 from dspark.serving.runtime import STARTED_AT_ENV
 from dspark.serving.threads import GOMP_CPU_AFFINITY, ThreadPlan
@@ -275,10 +279,33 @@ def _log_start_up() -> None:
 
 
 def main(argv: list[str]) -> int:
-    """Receive the replica's import path and the `EngineSpec`, build the engine, then serve."""
+    """Receive the replica's import path and the `EngineSpec`, build the engine, then serve.
+
+    `FD` is this process's end of the replica's socket pair; `--listen FD` makes it the engine
+    `dspark serve` prestarts (`engine_prestart`), which imports the engine's modules while Ray starts
+    and then takes the first replica that connects to the listening socket FD.
+    """
     _log_start_up()
-    parent = os.getppid()
-    conn = Connection(int(argv[1]))
+    if argv[1] == LISTEN_FLAG:
+        launcher = os.getppid()
+        waiting = _exit_when_orphaned(
+            lambda: os.getppid() != launcher, "`dspark serve` exited before a replica took this engine over"
+        )
+        handed = await_replica(int(argv[2]), _preload)
+        waiting.set()
+        if handed is None:
+            return 0
+        conn, replica = handed
+
+        def replica_gone() -> bool:
+            return not psutil.pid_exists(replica)
+    else:
+        replica = os.getppid()
+        conn = Connection(int(argv[1]))
+
+        def replica_gone() -> bool:
+            return os.getppid() != replica  # orphans are re-parented
+
     try:
         # The replica's import path first, so a factory it names (a test's fake engine) resolves.
         paths = conn.recv()
@@ -286,8 +313,8 @@ def main(argv: list[str]) -> int:
         spec: EngineSpec = conn.recv()
     except (EOFError, OSError):
         return 0
-    building = _exit_when_orphaned(parent)
-    stepping_cpus = _build_on_every_core(parent)
+    building = _exit_when_orphaned(replica_gone, "the replica exited while the engine was starting; stopping")
+    stepping_cpus = _build_on_every_core(replica)
     try:
         engine = spec.factory(spec.config)
         os.sched_setaffinity(0, stepping_cpus)
@@ -310,17 +337,24 @@ def main(argv: list[str]) -> int:
         _end_own_children()
 
 
+def _preload() -> None:
+    """What building a served engine imports (seconds of torch, transformers and the engine's own
+    modules), for the prestarted engine to import before its replica arrives."""
+    import dspark.builder  # noqa: F401
+
+    with contextlib.suppress(ImportError):  # the fast tokenizers' module, loaded at the tokenizer's load
+        import transformers.tokenization_utils_fast  # noqa: F401
+
+
 def _end_own_children() -> None:
     """Kill what this process started and left running: a background build's C++ compilers and
     inductor's compile workers would outlive a stopped server."""
-    import psutil
-
     for child in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
             child.kill()
 
 
-def _build_on_every_core(parent: int) -> set[int]:
+def _build_on_every_core(replica: int) -> set[int]:
     """Let this thread build the engine on every core of the replica; return the cores it steps on.
 
     With `GOMP_CPU_AFFINITY` set (`EngineProcess` pins the engine's threads), libgomp pinned this
@@ -329,26 +363,25 @@ def _build_on_every_core(parent: int) -> set[int]:
     """
     stepping = os.sched_getaffinity(0)
     with contextlib.suppress(OSError):  # the replica is already gone: the watchdog exits
-        os.sched_setaffinity(0, stepping | os.sched_getaffinity(parent))
+        os.sched_setaffinity(0, stepping | os.sched_getaffinity(replica))
     if cpus := os.environ.get(GOMP_CPU_AFFINITY):
         log.info("intra-op threads pinned to CPUs %s (%s)", cpus, GOMP_CPU_AFFINITY)
     return stepping
 
 
-def _exit_when_orphaned(parent: int, interval_s: float = 0.5) -> threading.Event:
-    """Exit when the replica that started this process is gone, until the returned event is set.
+def _exit_when_orphaned(gone: Callable[[], bool], why: str, interval_s: float = 0.5) -> threading.Event:
+    """Exit when `gone()` (the process this one works for exited), until the returned event is set.
 
     Building the engine (loading, compiling, measuring an SPS profile) takes minutes without a look
     at the pipe; a replica killed meanwhile (Ctrl-C at start-up, a failed health check) must not
-    leave the build holding its memory and cores. Orphans are re-parented, so the parent's pid
-    changes.
+    leave the build holding its memory and cores.
     """
     done = threading.Event()
 
     def watch() -> None:
         while not done.wait(interval_s):
-            if os.getppid() != parent:
-                log.warning("the replica exited while the engine was starting; stopping")
+            if gone():
+                log.warning(why)
                 os._exit(0)
 
     threading.Thread(target=watch, name="dspark-orphan-watch", daemon=True).start()

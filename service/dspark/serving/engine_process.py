@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ from dspark.serving.engine_messages import (
     StepReport,
     Stop,
 )
+from dspark.serving.engine_prestart import PRESTARTED_ENGINE_ENV, HandedOverProcess, adopt
 from dspark.serving.metrics import ServingMetrics
 from dspark.serving.threads import pinning_env
 
@@ -74,7 +76,9 @@ class EngineProcess:
         self.pinned_cpus = (
             config.engine_cpus(os.sched_getaffinity(0)) if isinstance(config, ServeConfig) else None
         )
-        self._proc, self._conn = _spawn(self.pinned_cpus)
+        env = engine_env(self.pinned_cpus)
+        self._proc: subprocess.Popen | HandedOverProcess
+        self._proc, self._conn = adopt(env) or _spawn(env)
         try:
             self.info = self._handshake(EngineSpec(factory, config))
         except BaseException:
@@ -277,25 +281,27 @@ def _import_engine_info_modules() -> None:
         import transformers.tokenization_utils_fast  # noqa: F401
 
 
-def _spawn(pinned_cpus: list[int] | None) -> tuple[subprocess.Popen, Connection]:
+def _spawn(env: dict[str, str]) -> tuple[subprocess.Popen, Connection]:
     """Start `python -m dspark.serving.engine_core FD` on one end of a socket pair."""
     mine, theirs = socket.socketpair()
     with theirs:
         proc = subprocess.Popen(
             [sys.executable, "-m", "dspark.serving.engine_core", str(theirs.fileno())],
             pass_fds=(theirs.fileno(),),
-            env=_child_env(pinned_cpus),
+            env=env,
         )
     return proc, Connection(mine.detach())
 
 
-def _child_env(pinned_cpus: list[int] | None) -> dict[str, str]:
-    """This process's environment, with this `dspark` first on the path (a checkout may shadow an
-    install), the OpenMP settings of every dspark process unless set already, and the intra-op
-    threads pinned to `pinned_cpus` unless the environment places OpenMP's threads itself."""
+def engine_env(pinned_cpus: list[int] | None, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The engine process's environment: `environ` (this process's by default), with this `dspark`
+    first on the path (a checkout may shadow an install), the OpenMP settings of every dspark process
+    unless set already, and the intra-op threads pinned to `pinned_cpus` unless the environment
+    places OpenMP's threads itself."""
     import dspark
 
-    env = dict(os.environ)
+    env = dict(os.environ if environ is None else environ)
+    env.pop(PRESTARTED_ENGINE_ENV, None)  # an engine takes nothing over
     here = str(Path(dspark.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
     for name, value in OPENMP_ENV.items():
@@ -310,4 +316,6 @@ def _exit_status(proc: subprocess.Popen) -> str:
     code = proc.returncode
     if code is None:
         return "still running"
+    if isinstance(proc, HandedOverProcess):
+        return "exit status unknown: `dspark serve` started it"
     return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
