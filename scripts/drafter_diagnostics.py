@@ -4,16 +4,16 @@ Usage:
   python scripts/drafter_diagnostics.py memorize CONFIG [--out runs/diag/memorize] [--sequences 8]
       [--max-tokens 128] [--max-steps 400] [--eval-every 10] [--lr 1e-3] [--warm-start shipped] [--until 0.9]
   dspark bench acceptance --drafters runs/diag/memorize/final --prompts runs/diag/memorize/prompts.jsonl \\
-      --temperatures 0 --gammas 7 --max-tokens 128
+      --temperatures 0 --gammas 7 --max-tokens 128 --dtype float32
   python scripts/drafter_diagnostics.py ablate CONFIG --drafters dspark,runs/diag/memorize/final
       [--prompts FILE | --num-prompts 16] [--max-tokens 128] [--out runs/diag/ablation]
 
-memorize: the target answers `--sequences` greedy-corpus prompts greedily (plain decoding, as the
-replay will), and CONFIG's drafter trains on those answers alone, every response position an
-anchor each step, until position-1 acceptance (soft and greedy) reaches `--until` or the steps
-run out; OUT/final is the drafter at the last evaluated step. ablate: per-position acceptance of
-each drafter on the greedy answers of the bench split (or `--prompts`), with the target features
-and with them zeroed. Both write JSON under OUT and print one line per evaluation.
+memorize: the target answers `--sequences` greedy-corpus prompts greedily (plain decoding in fp32,
+which an fp32 replay reproduces), and CONFIG's drafter trains on those answers alone, every
+response position an anchor each step, until position-1 acceptance (soft and greedy) reaches
+`--until` or the steps run out; OUT/final is the drafter at the last evaluated step. ablate:
+per-position acceptance of each drafter on the greedy answers of the bench split (or `--prompts`),
+with the target features and with them zeroed. Both write JSON under OUT and print one line per evaluation.
 """
 
 from __future__ import annotations
@@ -37,9 +37,14 @@ from dspark.training.diagnostics import (
 from dspark.training.online import OnlineFeatures, token_sequences
 from dspark.training.run import trainer_for
 
+REPLAY_DTYPE = "float32"  # greedy speculation reproduces plain decoding token for token only in fp32
+
 
 def answer(cfg: TrainConfig, prompts: list[dict], max_tokens: int, path: Path) -> list[dict]:
-    """Greedy answers of `prompts` (kept in `path`: a rerun reuses them)."""
+    """Greedy fp32 answers of `prompts` (kept in `path`: a rerun reuses them).
+
+    fp32 because a replay must regenerate them: in bf16 the verification forward rounds
+    differently from one-token decoding, and a flipped near-tie changes the rest of the answer."""
     if path.is_file():
         return read_samples(path)
     from dspark.builder import engine_from_config
@@ -52,7 +57,7 @@ def answer(cfg: TrainConfig, prompts: list[dict], max_tokens: int, path: Path) -
             drafter="none",
             policy="none",
             device=cfg.device,
-            dtype=cfg.dtype,
+            dtype=REPLAY_DTYPE,
             max_num_seqs=min(16, len(prompts)),
             max_model_len=longest + max_tokens + 8,
         )
@@ -131,7 +136,7 @@ def memorize(args: argparse.Namespace) -> None:
     print(json.dumps({"features_zeroed": summary["features_zeroed"]}), flush=True)
     print(
         f"replay: dspark bench acceptance --drafters {final} --prompts {out / 'prompts.jsonl'} "
-        f"--temperatures 0 --gammas {cfg.drafter.block_size} --max-tokens {args.max_tokens} "
+        f"--temperatures 0 --gammas {cfg.drafter.block_size} --max-tokens {args.max_tokens} --dtype {REPLAY_DTYPE} "
         f"--output-dir {out / 'replay'}"
     )
 
