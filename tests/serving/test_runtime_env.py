@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import ray
+from dspark.serving import runtime
 from dspark.serving.runtime import daemon_env
 
 DEFAULTS = {
@@ -47,3 +49,13 @@ def test_ray_starts_no_idle_workers_with_the_settings():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-1] == "0"
+
+
+def test_serve_starts_its_own_ray_even_where_a_cluster_runs(monkeypatch):
+    """Only --address joins a running cluster: ray.init without one would attach to it."""
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(runtime.os, "environ", dict(os.environ))
+    runtime.start_ray(num_cpus=1)
+    assert calls and calls[0]["address"] == "local" and calls[0]["num_cpus"] == 1

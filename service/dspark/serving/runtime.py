@@ -117,7 +117,7 @@ def _spare_port(host: str) -> int:
 
 
 def start_ray(num_cpus: int | None = None, env: dict[str, str] | None = None) -> None:
-    """A local Ray instance bound to 127.0.0.1, without the dashboard; reuses one already running.
+    """A new local Ray instance bound to 127.0.0.1, without the dashboard (`--address` joins a cluster).
 
     `env` (see `ingress_env`) goes into this process's environment first: Ray's daemons, and so
     every Serve actor, inherit it.
@@ -130,6 +130,10 @@ def start_ray(num_cpus: int | None = None, env: dict[str, str] | None = None) ->
     os.environ.update(daemon_env(os.environ))
     runtime_env = {"env_vars": replica_env()}
     ray.init(
+        # Without an address Ray joins whatever `ray start` left running on the machine (another
+        # user's cluster, or one a test started), where num_cpus is refused and Serve would deploy
+        # onto someone else's nodes.
+        address="local",
         num_cpus=num_cpus or usable_cpus(),
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
