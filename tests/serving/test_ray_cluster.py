@@ -220,7 +220,8 @@ def test_dspark_serve_address_deploys_onto_the_cluster_and_leaves_it_running(ray
         output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, output
     assert f"joining the Ray cluster at {address}" in output and "stopped" in output
-    assert APP_NAME not in serve.status().applications
+    # Deleted: the controller drops a deleted application from its status on its next pass.
+    wait_for(lambda: APP_NAME not in serve.status().applications, timeout_s=30, what="the app's deletion")
     assert sum(node["Alive"] for node in ray.nodes()) == 3  # the cluster keeps running
     assert complete(ray_cluster.url, "tiny").status_code == 404  # its proxy too, with no route now
 
