@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 from dspark.engine.verifier import verify_draft_tokens
-from dspark.policies.dspark import DSparkAsyncPolicy, DSparkPolicy
+from dspark.policies.dspark import dspark_async_policy, dspark_policy
 from dspark.policies.ranking import global_argmax_lengths
 from dspark.sps_format import SpsPoint, SpsProfile
 
@@ -47,7 +47,7 @@ def per_round(schedule) -> torch.Tensor:
 
 def test_causal_greedy_stays_lossless_and_never_admits_x1() -> None:
     tokens, conf = draw_rounds(seed=1)
-    policy = DSparkPolicy(appendix_profile())
+    policy = dspark_policy(appendix_profile())
     lengths = per_round(lambda c: policy.verify_lengths(c, 2, 1))(conf)
     assert lengths.eq(0).all()  # Theta_1 = 0.9 < Theta_0 = 1.0: break before c_2 is looked at
     freq = first_token_frequencies(tokens, lengths, seed=2)
@@ -67,7 +67,7 @@ def test_retrospective_global_search_is_biased_to_085() -> None:
 
 def test_async_capacity_from_two_steps_earlier_stays_lossless() -> None:
     tokens, conf = draw_rounds(seed=5)
-    policy = DSparkAsyncPolicy(appendix_profile())
+    policy = dspark_async_policy(appendix_profile())
     lengths = per_round(lambda c: policy.verify_lengths(c, 2, 1))(conf)
     assert policy.split.warmup_steps == 2
     admitted = lengths[2:] > 0

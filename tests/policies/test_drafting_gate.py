@@ -8,8 +8,9 @@ import torch
 from dspark.engine.policy_spec import PolicySettings
 from dspark.engine.verify_policy import survival_probabilities
 from dspark.policies import drafting_gate
+from dspark.policies.acceptance import AcceptanceScale
 from dspark.policies.drafting_gate import DraftCost, DraftingGate
-from dspark.policies.dspark import AcceptanceScale, DSparkAsyncPolicy, DSparkPolicy
+from dspark.policies.dspark import dspark_async_policy, dspark_policy
 from dspark.policies.ranking import prefix_greedy_lengths
 from dspark.policies.sps_curve import OnlineSps, table_lookup
 from dspark.profiling.synthetic import synthetic_profile
@@ -275,7 +276,7 @@ def test_pool_keeps_the_newest_steps_covering_memory_rows_zero_padded() -> None:
         assert gate._pool.tolist() == rebuilt.tolist()
 
 
-@pytest.mark.parametrize("make", [DSparkPolicy, DSparkAsyncPolicy])
+@pytest.mark.parametrize("make", [dspark_policy, dspark_async_policy])
 def test_policies_stop_drafting_when_drafting_costs_more_than_it_returns(make) -> None:
     policy = make(OnlineSps(PROFILE), ONE_STEP)
     low = torch.full((16, 7), 0.2, dtype=torch.float64)
@@ -294,7 +295,7 @@ def test_policies_stop_drafting_when_drafting_costs_more_than_it_returns(make) -
 
 
 def test_async_policy_warms_up_again_after_skipped_steps() -> None:
-    policy = DSparkAsyncPolicy(OnlineSps(PROFILE), ONE_STEP)
+    policy = dspark_async_policy(OnlineSps(PROFILE), ONE_STEP)
     high = torch.full((16, 7), 0.9, dtype=torch.float64)
     for _ in range(3):
         policy.verify_lengths(high, 7, 16)
@@ -310,7 +311,7 @@ def test_async_policy_warms_up_again_after_skipped_steps() -> None:
 
 
 def test_plain_steps_overhead_is_measured_on_a_skipped_step_and_used_for_the_comparison() -> None:
-    policy = DSparkPolicy(OnlineSps(PROFILE), ONE_STEP)
+    policy = dspark_policy(OnlineSps(PROFILE), ONE_STEP)
     high = torch.full((16, 7), 0.6, dtype=torch.float64)
     assert policy.max_length(7, 16) == 7
     policy.verify_lengths(high, 7, 16)
@@ -362,7 +363,7 @@ def test_acceptance_scale_forgets_per_request_round_not_per_step() -> None:
 
 def test_over_confident_drafts_stop_being_verified_and_drafted() -> None:
     """Steps whose drafts are accepted far less often than predicted teach the policy to verify less."""
-    policy = DSparkPolicy(OnlineSps(PROFILE), ONE_STEP)
+    policy = dspark_policy(OnlineSps(PROFILE), ONE_STEP)
     conf = torch.full((16, 7), 0.8, dtype=torch.float64)
     before = int(policy.verify_lengths(conf, 7, 16).sum())
     for _ in range(100):
@@ -382,7 +383,7 @@ def test_a_slowdown_seen_only_on_undrafted_steps_does_not_make_drafting_look_che
     scheduler's right envelope of the curve also keeps B = 16 from looking slower than the
     stale larger drafted batch, so the drift is checked on the curve itself too.)"""
     curve = OnlineSps(PROFILE, PolicySettings(sps_drift_alpha=0.1))
-    policy = DSparkPolicy(curve, ONE_STEP)
+    policy = dspark_policy(curve, ONE_STEP)
     conf = torch.full((16, 7), 0.3, dtype=torch.float64)
     policy.verify_lengths(conf, 7, 16)
     budget = int(policy.verify_lengths(conf, 7, 16).sum())

@@ -8,7 +8,7 @@ import pytest
 import torch
 from dspark.engine.policy_spec import PolicySettings
 from dspark.policies.baselines import ThresholdPolicy
-from dspark.policies.dspark import DSparkAsyncPolicy, DSparkPolicy
+from dspark.policies.dspark import dspark_async_policy, dspark_policy
 from dspark.policies.ranking import global_argmax_lengths, prefix_greedy_lengths, topk_survival
 from dspark.policies.sps_curve import OnlineSps
 from dspark.profiling.synthetic import synthetic_profile
@@ -25,8 +25,8 @@ def confidences(seed: int, rows: int = 16, gamma: int = 6) -> torch.Tensor:
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: DSparkPolicy(OnlineSps(PROFILE)),
-        lambda: DSparkAsyncPolicy(OnlineSps(PROFILE)),
+        lambda: dspark_policy(OnlineSps(PROFILE)),
+        lambda: dspark_async_policy(OnlineSps(PROFILE)),
         lambda: ThresholdPolicy(0.5),
     ],
 )
@@ -49,20 +49,20 @@ def test_unusable_confidences_fall_back_with_one_warning_per_burst(make, caplog)
 
 def test_wrong_confidence_shape_is_an_error() -> None:
     with pytest.raises(ValueError, match=r"shape \(16, 6\), expected \(16, 5\)"):
-        DSparkPolicy(OnlineSps(PROFILE)).verify_lengths(confidences(0), 5, 16)
+        dspark_policy(OnlineSps(PROFILE)).verify_lengths(confidences(0), 5, 16)
 
 
 def test_lengths_are_cpu_int64_within_gamma() -> None:
     for policy in (
-        DSparkPolicy(OnlineSps(PROFILE)),
-        DSparkAsyncPolicy(OnlineSps(PROFILE)),
+        dspark_policy(OnlineSps(PROFILE)),
+        dspark_async_policy(OnlineSps(PROFILE)),
         ThresholdPolicy(0.3),
     ):
         for seed in range(4):
             lengths = policy.verify_lengths(confidences(seed).to(torch.bfloat16), 6, 16)
             assert lengths.dtype == torch.int64 and lengths.device.type == "cpu"
             assert int(lengths.min()) >= 0 and int(lengths.max()) <= 6
-    assert DSparkPolicy(OnlineSps(PROFILE)).verify_lengths(torch.empty(0, 6), 6, 0).tolist() == []
+    assert dspark_policy(OnlineSps(PROFILE)).verify_lengths(torch.empty(0, 6), 6, 0).tolist() == []
 
 
 def test_threshold_policy_matches_a_loop() -> None:
@@ -77,14 +77,14 @@ def test_threshold_policy_matches_a_loop() -> None:
 
 
 def test_dspark_policy_is_algorithm_1_on_its_sps_curve() -> None:
-    policy = DSparkPolicy(PROFILE)
+    policy = dspark_policy(PROFILE)
     for seed in range(5):
         conf = confidences(seed)
         assert torch.equal(policy.verify_lengths(conf, 6, 16), prefix_greedy_lengths(conf, PROFILE.sps))
 
 
 def test_observe_step_refines_the_dspark_curve() -> None:
-    policy = DSparkPolicy(OnlineSps(PROFILE))
+    policy = dspark_policy(OnlineSps(PROFILE))
     assert isinstance(policy.sps, OnlineSps)
     before = policy.verify_lengths(confidences(0), 6, 16).sum()
     # The node turns out 3x slower per token than profiled: verifying extra tokens costs more.
@@ -95,14 +95,14 @@ def test_observe_step_refines_the_dspark_curve() -> None:
     after = policy.verify_lengths(confidences(0), 6, 16).sum()
     assert after < before
     # A fixed profile ignores step timings.
-    frozen = DSparkPolicy(PROFILE)
+    frozen = dspark_policy(PROFILE)
     frozen.observe_step(step_stats(64, 1.0))
     assert frozen.sps is PROFILE
 
 
 def test_step_overhead_makes_verification_relatively_cheaper() -> None:
     """Drafting time is paid whatever is verified, so a slow drafter justifies verifying more."""
-    policy = DSparkPolicy(OnlineSps(PROFILE))
+    policy = dspark_policy(OnlineSps(PROFILE))
     conf = confidences(0)
     before = policy.verify_lengths(conf, 6, 16).sum()
     for _ in range(100):
@@ -110,13 +110,13 @@ def test_step_overhead_makes_verification_relatively_cheaper() -> None:
     assert policy.gate.other_s == pytest.approx(0.05, rel=1e-3)
     after = policy.verify_lengths(conf, 6, 16).sum()
     assert after > before
-    frozen = DSparkPolicy(PROFILE)
+    frozen = dspark_policy(PROFILE)
     frozen.observe_step(step_stats(16, 1.0, 0.05, drafted_requests=16))
     assert frozen.gate.other_s == 0.0
 
 
 def test_async_uses_greedy_for_two_steps_then_capacity_from_two_steps_back() -> None:
-    policy = DSparkAsyncPolicy(PROFILE)
+    policy = dspark_async_policy(PROFILE)
     confs = [confidences(seed, rows=16 + seed) for seed in range(5)]  # the request count changes
     out = [policy.verify_lengths(c, 6, c.shape[0]) for c in confs]
     assert policy.split.warmup_steps == 2
@@ -132,7 +132,7 @@ def test_async_uses_greedy_for_two_steps_then_capacity_from_two_steps_back() -> 
 
 
 def test_async_after_a_fallback_step_schedules_causally_until_history_returns() -> None:
-    policy = DSparkAsyncPolicy(PROFILE)
+    policy = dspark_async_policy(PROFILE)
     policy.verify_lengths(confidences(0), 6, 16)
     policy.verify_lengths(None, 6, 16)  # no confidences: nothing to derive a capacity from
     third = confidences(2)
@@ -144,7 +144,7 @@ def test_async_after_a_fallback_step_schedules_causally_until_history_returns() 
 
 
 def test_async_capacity_shrinks_when_many_requests_join() -> None:
-    policy = DSparkAsyncPolicy(PROFILE)
+    policy = dspark_async_policy(PROFILE)
     small = confidences(0, rows=2)
     policy.verify_lengths(small, 6, 2)
     policy.verify_lengths(small, 6, 2)
@@ -154,7 +154,7 @@ def test_async_capacity_shrinks_when_many_requests_join() -> None:
     assert policy.verify_lengths(crowd, 6, crowd.shape[0]).sum() == 0
 
 
-@pytest.mark.parametrize("make", [DSparkPolicy, DSparkAsyncPolicy])
+@pytest.mark.parametrize("make", [dspark_policy, dspark_async_policy])
 def test_draft_horizon_is_one_past_the_previous_longest_length(make) -> None:
     policy = make(PROFILE)
     assert policy.max_length(6) == 6  # nothing scheduled yet: the whole block
@@ -166,7 +166,7 @@ def test_draft_horizon_is_one_past_the_previous_longest_length(make) -> None:
     assert longest == 1 and policy.max_length(6) == 2  # grows by one per step
 
 
-@pytest.mark.parametrize("make", [DSparkPolicy, DSparkAsyncPolicy])
+@pytest.mark.parametrize("make", [dspark_policy, dspark_async_policy])
 def test_a_skipped_step_keeps_the_draft_horizon(make) -> None:
     """Not drafting one step says nothing about how far to draft the next: no full-block redraft."""
     policy = make(PROFILE, PolicySettings(memory_rows=16))
@@ -178,7 +178,7 @@ def test_a_skipped_step_keeps_the_draft_horizon(make) -> None:
     assert policy.max_length(7, 16) in (2, 3)
 
 
-@pytest.mark.parametrize("make", [DSparkPolicy, DSparkAsyncPolicy])
+@pytest.mark.parametrize("make", [dspark_policy, dspark_async_policy])
 def test_algorithm_1_is_not_stopped_by_an_inverted_profile_point(make) -> None:
     """A profile timing B = 5 slower than B = 6 (noise on a shared CPU): read through its right
     envelope, the early break does not stop at that false cliff; a real drop still stops it."""

@@ -8,9 +8,11 @@ import pytest
 from dspark.drafters.ngram import NoDrafter
 from dspark.engine.config import EngineConfig
 from dspark.engine.policy_spec import PolicySettings, parse_policy
+from dspark.engine.verify_policy import VerifyPolicy
 from dspark.policies.baselines import StaticPolicy, ThresholdPolicy
-from dspark.policies.dspark import DSparkAsyncPolicy, DSparkPolicy
+from dspark.policies.dspark import DSparkPolicy
 from dspark.policies.factory import build_policy, resolve_policy_spec
+from dspark.policies.split import AsyncSplit, SynchronousSplit
 from dspark.policies.sps_curve import OnlineSps
 from dspark.profiling.synthetic import synthetic_profile
 
@@ -18,19 +20,20 @@ PROFILE = synthetic_profile(max_batch_tokens=256)
 
 
 @pytest.mark.parametrize(
-    ("spec", "cls", "name"),
+    ("spec", "cls", "name", "split"),
     [
-        ("none", StaticPolicy, "none"),
-        ("full", StaticPolicy, "full"),
-        ("static:4", StaticPolicy, "static:4"),
-        ("threshold:0.6", ThresholdPolicy, "threshold:0.6"),
-        ("dspark", DSparkPolicy, "dspark"),
-        ("dspark-async", DSparkAsyncPolicy, "dspark-async"),
+        ("none", StaticPolicy, "none", None),
+        ("full", StaticPolicy, "full", None),
+        ("static:4", StaticPolicy, "static:4", None),
+        ("threshold:0.6", ThresholdPolicy, "threshold:0.6", None),
+        ("dspark", DSparkPolicy, "dspark", SynchronousSplit),
+        ("dspark-async", DSparkPolicy, "dspark-async", AsyncSplit),
     ],
 )
-def test_specs_build_their_policy(spec: str, cls: type, name: str) -> None:
+def test_specs_build_their_policy(spec: str, cls: type, name: str, split: type | None) -> None:
     policy = build_policy(spec, sps=PROFILE)
     assert isinstance(policy, cls) and policy.name == name
+    assert split is None or isinstance(policy.split, split)
 
 
 def test_dspark_policies_refine_a_profile_online_and_accept_a_refined_curve() -> None:
@@ -115,3 +118,13 @@ def test_a_policy_that_verifies_drafts_is_refused_without_a_drafter(spec: str) -
 def test_auto_and_none_resolve_to_none_without_a_drafter() -> None:
     assert resolve_policy_spec("auto", NoDrafter()) == "none"
     assert resolve_policy_spec("none", NoDrafter()) == "none"
+
+
+def test_every_policy_implements_the_interface_directly() -> None:
+    """Composition, not inheritance: no policy class builds on another."""
+    built = {
+        type(build_policy(spec, sps=PROFILE)) for spec in ("none", "threshold:0.6", "dspark", "dspark-async")
+    }
+    assert built == {StaticPolicy, ThresholdPolicy, DSparkPolicy}
+    assert all(cls.__bases__ == (VerifyPolicy,) for cls in built)
+    assert not [sub for cls in VerifyPolicy.__subclasses__() for sub in cls.__subclasses__()]

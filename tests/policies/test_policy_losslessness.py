@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 from dspark.engine.verifier import verify_draft_tokens
-from dspark.engine.verify_policy import VerifyPolicy
+from dspark.engine.verify_policy import VerifyChoice, VerifyPolicy
 from dspark.policies.factory import build_policy
 from dspark.policies.ranking import global_argmax_lengths
 from dspark.sps_format import SpsProfile
@@ -59,8 +59,8 @@ class GlobalArgmaxPolicy(VerifyPolicy):
     def __init__(self, profile: SpsProfile) -> None:
         self.profile = profile
 
-    def verify_lengths(self, confidences, gamma, num_requests):
-        return global_argmax_lengths(confidences, self.profile.sps)
+    def choose(self, confidences, gamma, num_requests):
+        return VerifyChoice(global_argmax_lengths(confidences, self.profile.sps))
 
 
 def first_token_distribution(

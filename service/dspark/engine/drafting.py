@@ -1,4 +1,4 @@
-"""The draft phase of a step: propose a block, let the policy choose verify lengths, clip them."""
+"""The draft phase of a step: propose a block, let the policy choose verify lengths, trim them."""
 
 from __future__ import annotations
 
@@ -68,14 +68,9 @@ def draft(
     width = min(horizon, block.tokens.shape[1])
     # On the host once, for the policy and the statistics below (one device copy per step).
     confidences = host_array(block.confidences[:, :width]) if block.confidences is not None else None
-    fallbacks = policy.fallbacks
-    lengths = policy.verify_lengths(confidences, width, len(decodes)).cpu().numpy()
-    report = DraftReport(True, width, t1 - t0, policy_fallback=policy.fallbacks > fallbacks)
-    if block.num_valid is not None:
-        lengths = np.minimum(lengths, block.num_valid.cpu().numpy())
-    lengths = np.maximum(np.minimum(lengths, verify_limits(decodes)), 0)
-    lengths, carried = cut_at_grammars(decodes, block.tokens, lengths.tolist())
-    lengths = np.array(lengths, dtype=np.int64)
+    choice = policy.choose(confidences, width, len(decodes))
+    report = DraftReport(True, width, t1 - t0, policy_fallback=choice.fallback)
+    lengths, carried = trimmed_lengths(choice.lengths.cpu().numpy(), block, decodes)
     if confidences is not None:  # what the confidence head expects to be accepted
         survival = survival_probabilities(confidences)
         verified = np.arange(survival.shape[1]) < lengths[:, None]
@@ -86,6 +81,19 @@ def draft(
     result = Draft(block, lengths.tolist(), carried)
     result.token_lists()  # read now, at the confidences' sync point: the device is idle by now
     return result, report
+
+
+def trimmed_lengths(
+    lengths: np.ndarray, block: DraftBlock, decodes: Sequence[Request]
+) -> tuple[np.ndarray, list[int]]:
+    """The policy's lengths within what each request can verify: the block's valid drafts, room for
+    the bonus token, the request's own cap, and its grammar (`cut_at_grammars`); with the drafts each
+    forward carries."""
+    if block.num_valid is not None:
+        lengths = np.minimum(lengths, block.num_valid.cpu().numpy())
+    lengths = np.maximum(np.minimum(lengths, verify_limits(decodes)), 0)
+    verified, carried = cut_at_grammars(decodes, block.tokens, lengths.tolist())
+    return np.array(verified, dtype=np.int64), carried
 
 
 def cut_at_grammars(

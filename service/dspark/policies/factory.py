@@ -7,7 +7,7 @@ from dspark.engine.drafter import Drafter
 from dspark.engine.policy_spec import PolicyName, PolicySettings, parse_policy
 from dspark.engine.verify_policy import VerifyPolicy
 from dspark.policies.baselines import StaticPolicy, ThresholdPolicy
-from dspark.policies.dspark import DSparkAsyncPolicy, DSparkPolicy
+from dspark.policies.dspark import dspark_policy
 from dspark.policies.sps_curve import OnlineSps
 from dspark.sps_format import SpsProfile
 
@@ -46,4 +46,4 @@ def build_policy(
             "tokens); profile the engine first or choose a policy that needs none"
         )
     sps = OnlineSps(sps, settings) if isinstance(sps, SpsProfile) else sps
-    return (DSparkPolicy if name == PolicyName.DSPARK else DSparkAsyncPolicy)(sps, settings)
+    return dspark_policy(sps, settings, asynchronous=name == PolicyName.DSPARK_ASYNC)
