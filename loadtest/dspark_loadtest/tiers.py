@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from dspark.tier_format import SHARED_FIELDS, SlaTier
+from dspark.tier_format import SlaTier
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 DEFAULT_TIERS_FILE = Path(__file__).resolve().parent / "tiers.yaml"  # loadtest/tiers.yaml links here
@@ -129,12 +129,3 @@ def load_tiers(path: str | Path = DEFAULT_TIERS_FILE) -> TierFile:
         return TierFile.model_validate(raw)
     except ValidationError as e:
         raise ValueError(f"invalid tier file {path}:\n{e}") from None
-
-
-def chart_tiers(values_path: str | Path) -> list[dict]:
-    """The `example.tiers` list of a chart values file (for checking the shared fields agree)."""
-    values = yaml.safe_load(Path(values_path).read_text()) or {}
-    return list((values.get("example") or {}).get("tiers") or [])
-
-
-CHART_SHARED_FIELDS = SHARED_FIELDS

@@ -7,25 +7,29 @@ from pathlib import Path
 
 import pytest
 import yaml
-from dspark.tier_format import SlaTier
+from dspark.tier_format import SHARED_FIELDS, SlaTier
 from dspark_loadtest.report import build_report
 from dspark_loadtest.run_state import parse_mix, resolve_tier
 from dspark_loadtest.shapes import Stage, stage_at, stages
 from dspark_loadtest.sla import evaluate, format_table, summarize
 from dspark_loadtest.stream import RequestSample
 from dspark_loadtest.tiers import (
-    CHART_SHARED_FIELDS,
     DEFAULT_TIERS_FILE,
     ConstantLoad,
     SpikeLoad,
     StepLoad,
     Tier,
-    chart_tiers,
     load_tiers,
 )
 from dspark_operator.spec import TierSpec
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def chart_tiers(values_path: Path) -> list[dict]:
+    """The `example.tiers` list of a chart values file."""
+    values = yaml.safe_load(values_path.read_text()) or {}
+    return list((values.get("example") or {}).get("tiers") or [])
 
 
 def tier(**overrides) -> Tier:
@@ -81,7 +85,7 @@ def test_shared_fields_agree_with_the_chart_and_the_crd_model():
     for entry in chart:
         assert entry["name"] in ours, f"chart tier {entry['name']!r} has no load-test scenario"
         mine, theirs = TierSpec.model_validate(ours[entry["name"]]), TierSpec.model_validate(entry)
-        for field in CHART_SHARED_FIELDS:
+        for field in SHARED_FIELDS:
             assert getattr(mine, _snake(field)) == getattr(theirs, _snake(field)), (entry["name"], field)
     for raw in ours.values():  # every scenario is also a valid CRD tier
         TierSpec.model_validate(raw)
@@ -92,7 +96,7 @@ def test_the_load_test_and_the_operator_share_one_tier_format():
     for model in (Tier, TierSpec):
         assert issubclass(model, SlaTier)
         assert not set(model.__annotations__) & set(SlaTier.model_fields), model
-    assert set(CHART_SHARED_FIELDS) == {
+    assert set(SHARED_FIELDS) == {
         "tokensPerSecondPerUser",
         "ttftP95Seconds",
         "minReplicas",
