@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
-import time
+import subprocess
+import sys
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,14 +133,33 @@ def test_a_failed_build_falls_back_with_a_warning(monkeypatch, caplog):
         cpu_attention.short_attention_kernel.cache_clear()
 
 
-def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
-    from dspark.models.cpu_attention import STALE_LOCK_S, _clear_stale_lock
+def test_a_builder_killed_mid_build_holds_up_the_next_only_while_it_lives(tmp_path):
+    """A live builder makes the next wait; once it is killed, the next builds, clearing its lock file."""
+    from dspark.models.cpu_attention import _build_lock
 
-    stale, fresh = tmp_path / "stale", tmp_path / "fresh"
-    stale.touch(), fresh.touch()
-    old = time.time() - STALE_LOCK_S - 60
-    os.utime(stale, (old, old))
-    _clear_stale_lock(stale)
-    _clear_stale_lock(fresh)
-    _clear_stale_lock(tmp_path / "absent")
-    assert not stale.exists() and fresh.exists()
+    builder = (
+        "import sys, time; from pathlib import Path; from dspark.models.cpu_attention import _build_lock\n"
+        f"with _build_lock(Path({str(tmp_path)!r})):\n"
+        f"    Path({str(tmp_path / 'lock')!r}).touch(); print('building', flush=True); time.sleep(120)"
+    )
+    code_path = str(Path(cpu_attention.__file__).parents[2])  # this checkout's dspark, not an install's
+    env = {**os.environ, "PYTHONPATH": code_path}
+    proc = subprocess.Popen([sys.executable, "-c", builder], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout.readline().strip() == "building"
+        entered, lock_seen = threading.Event(), []
+
+        def build() -> None:
+            with _build_lock(tmp_path):
+                lock_seen.append((tmp_path / "lock").exists())
+                entered.set()
+
+        waiter = threading.Thread(target=build, daemon=True)
+        waiter.start()
+        assert not entered.wait(1.0)  # the live builder holds the build
+        proc.kill()
+        assert entered.wait(30)
+        assert lock_seen == [False]  # the killed builder's lock file is gone before the next builds
+    finally:
+        proc.kill()
+        proc.wait()

@@ -11,11 +11,13 @@ attention runs through SDPA; so it does while the build runs in the background (
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,20 +58,24 @@ class Built:
     head_dims: frozenset[int]
 
 
-# A build takes 25-90 s on two cores; a lock older than this was left by a process killed mid-build.
-STALE_LOCK_S = 15 * 60
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Hold the machine's build of this kernel, and clear what a killed builder left.
 
-
-def _clear_stale_lock(lock: Path) -> None:
-    """Remove a build lock nobody will release: torch's extension builder waits on it forever, and
-    every later start on the machine would hang (or stay on SDPA) behind a build killed long ago."""
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_S:
-        log.warning("removing a stale build lock, %.0f min old: %s", age / 60, lock)
-        lock.unlink(missing_ok=True)
+    torch's extension builder marks a build with a `lock` file and makes every other builder wait
+    until it is gone; a builder killed mid-build (a server stopped while its kernel builds in the
+    background) leaves it for ever, and every later start would wait behind it. Our builders first
+    take an flock, which the kernel releases when its holder dies, so whoever holds it and finds
+    torch's lock file knows nobody is building.
+    """
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "build.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        lock = build_dir / "lock"
+        if lock.exists():
+            log.warning("removing the build lock of a build that was killed: %s", lock)
+            lock.unlink(missing_ok=True)
+        yield
 
 
 @functools.cache
@@ -80,13 +86,13 @@ def _build() -> Built | None:
     isa, flags = _build_flags()
     name = f"dspark_short_attention_{isa}"
     try:
-        _clear_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock")
-        module = cpp_extension.load(
-            name=name,
-            sources=[str(SOURCE)],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-        )
+        with _build_lock(Path(cpp_extension._get_build_directory(name, verbose=False))):
+            module = cpp_extension.load(
+                name=name,
+                sources=[str(SOURCE)],
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"],
+            )
     except Exception as e:  # no compiler or no headers: SDPA computes the same attention
         log.warning("the CPU attention kernel did not build, attention runs through SDPA: %s", e)
         return None
