@@ -216,7 +216,8 @@ def test_dspark_serve_address_deploys_onto_the_cluster_and_leaves_it_running(ray
     try:
         wait_for(answered, timeout_s=240, what="the application of dspark serve --address")
     finally:
-        proc.send_signal(signal.SIGINT)
+        # SIGTERM, as Kubernetes stops a pod: a process started in the background ignores SIGINT.
+        proc.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, output
     assert f"joining the Ray cluster at {address}" in output and "stopped" in output

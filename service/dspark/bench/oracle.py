@@ -34,12 +34,11 @@ from dspark.policies.baselines import StaticPolicy
 ORACLE = "oracle"
 
 
-class OraclePolicy(StaticPolicy):
+def oracle_policy() -> StaticPolicy:
     """The whole usable block for every request: `OracleDrafter` cuts each to its accepted prefix."""
-
-    def __init__(self) -> None:
-        super().__init__(None)
-        self.name = ORACLE
+    policy = StaticPolicy(None)
+    policy.name = ORACLE
+    return policy
 
 
 class OracleDrafter(WrappingDrafter):
@@ -89,7 +88,7 @@ class OracleEngine(LLMEngine):
         """A sibling of `engine` under the oracle: same weights, its own KV cache and its own copy of
         the drafter (a drafter keeps per-slot context that two engines' slots would collide in)."""
         drafter = OracleDrafter(engine.drafter.fresh_copy())
-        oracle = sibling_engine(engine, drafter, OraclePolicy(), engine_type=cls, **config_updates)
+        oracle = sibling_engine(engine, drafter, oracle_policy(), engine_type=cls, **config_updates)
         drafter.runner = oracle.runner
         return oracle
 
