@@ -9,7 +9,6 @@ type's SPS profile. Imported by the serving replicas and by the operator, which 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 NODE_TYPE_PREFIX = "dspark/node-type/"
@@ -28,15 +27,6 @@ def node_resources(node_type: str, slots: int) -> dict[str, float]:
     if slots < 1:
         raise ValueError(f"a node of type {node_type!r} must hold at least one replica, not {slots}")
     return {node_type_resource(node_type): 1.0, REPLICA_SLOTS: float(slots)}
-
-
-def replica_slots(
-    gpus: float, cpus: float, gpus_per_replica: float = 0.0, cpus_per_replica: float = 1.0
-) -> int:
-    """Replicas a node holds: one per `gpus_per_replica` GPUs on a GPU node, else its CPU budget."""
-    if gpus_per_replica > 0:
-        return max(0, math.floor(gpus / gpus_per_replica + 1e-9))
-    return max(0, math.floor(cpus / cpus_per_replica + 1e-9))
 
 
 def node_type_of(resources: Mapping[str, float]) -> str | None:

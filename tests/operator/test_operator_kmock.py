@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import kopf
@@ -67,12 +68,15 @@ class FakeServingMetrics:
             return generate_latest(self.registry)
 
 
-@pytest.fixture()
-def serving_metrics() -> Iterator[tuple[FakeServingMetrics, int]]:
-    fake = FakeServingMetrics()
+@contextlib.contextmanager
+def metrics_server(fake: FakeServingMetrics, paths: set[str] | None = None) -> Iterator[int]:
+    """A local HTTP server answering every GET with a scrape of `fake` (the path asked goes into
+    `paths`); yields its port."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
+            if paths is not None:
+                paths.add(self.path)
             body = fake.scrape()
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
@@ -85,29 +89,43 @@ def serving_metrics() -> Iterator[tuple[FakeServingMetrics, int]]:
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    yield fake, server.server_address[1]
-    server.shutdown()
-    thread.join()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        thread.join()
+
+
+@pytest.fixture()
+def serving_metrics() -> Iterator[tuple[FakeServingMetrics, int]]:
+    fake = FakeServingMetrics()
+    with metrics_server(fake) as port:
+        yield fake, port
+
+
+def connect_kube(emulated: EmulatedCluster, kubeconfig: Path, env: pytest.MonkeyPatch) -> Kube:
+    """A client of the emulated cluster through a kubeconfig, as the operator connects, and the
+    cluster's three GPU nodes."""
+    kubeconfig.write_text(emulated.kubeconfig())
+    env.setenv("KUBECONFIG", str(kubeconfig))
+    env.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    load_client_configuration()
+    kube = Kube.from_default_configuration()
+    for i, gpu in enumerate(["NVIDIA-H200", "NVIDIA-L40S", "Tesla-T4"]):
+        kube.create(
+            {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {"name": f"gpu-{i}", "labels": {"nvidia.com/gpu.product": gpu}},
+            }
+        )
+    return kube
 
 
 @pytest.fixture()
 def cluster(tmp_path, monkeypatch) -> Iterator[tuple[EmulatedCluster, Kube]]:
     with EmulatedCluster() as emulated:
-        kubeconfig = tmp_path / "kubeconfig.yaml"
-        kubeconfig.write_text(emulated.kubeconfig())
-        monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
-        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-        load_client_configuration()
-        kube = Kube.from_default_configuration()
-        for i, gpu in enumerate(["NVIDIA-H200", "NVIDIA-L40S", "Tesla-T4"]):
-            kube.create(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Node",
-                    "metadata": {"name": f"gpu-{i}", "labels": {"nvidia.com/gpu.product": gpu}},
-                }
-            )
-        yield emulated, kube
+        yield emulated, connect_kube(emulated, tmp_path / "kubeconfig.yaml", monkeypatch)
 
 
 @contextlib.contextmanager

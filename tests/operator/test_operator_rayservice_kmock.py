@@ -8,9 +8,8 @@ operator serve the whole module.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -18,9 +17,16 @@ import yaml
 from cluster_emulator import EmulatedCluster
 from crd_schemas import kuberay_validator
 from dspark.sps_format import PROFILE_BEGIN, PROFILE_END
-from dspark_operator.kube import Kube, load_client_configuration
+from dspark_operator.kube import Kube
 from operator_fixtures import profile_json, service
-from test_operator_kmock import FakeServingMetrics, finish_profiling_job, run_operator, wait_for
+from test_operator_kmock import (
+    FakeServingMetrics,
+    connect_kube,
+    finish_profiling_job,
+    metrics_server,
+    run_operator,
+    wait_for,
+)
 
 NS = "default"
 CRS = "/apis/dspark.ai/v1alpha1/namespaces/default/dsparkservices"
@@ -28,51 +34,28 @@ RAYSERVICES = "/apis/ray.io/v1/namespaces/default/rayservices"
 LOG = f"{PROFILE_BEGIN}\n{profile_json()}\n{PROFILE_END}\n"
 
 
+@dataclass
 class Applications:
     """The Serve applications' /metrics behind KubeRay's Serve Service: one dialled fake, and the
     paths the operator scraped."""
 
-    def __init__(self) -> None:
-        self.fake = FakeServingMetrics()
-        self.paths: set[str] = set()
-        apps = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                apps.paths.add(self.path)
-                body = apps.fake.scrape()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+    fake: FakeServingMetrics
+    port: int
+    paths: set[str]
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> Iterator[tuple[EmulatedCluster, Kube, Applications]]:
     """kmock (serving KubeRay's RayServices) with three GPU node types, the operator running against it."""
-    apps = Applications()
-    with EmulatedCluster() as emulated, pytest.MonkeyPatch.context() as env:
-        kubeconfig = tmp_path_factory.mktemp("kube") / "kubeconfig.yaml"
-        kubeconfig.write_text(emulated.kubeconfig())
-        env.setenv("KUBECONFIG", str(kubeconfig))
-        env.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-        load_client_configuration()
-        kube = Kube.from_default_configuration()
-        for i, gpu in enumerate(["NVIDIA-H200", "NVIDIA-L40S", "Tesla-T4"]):
-            labels = {"nvidia.com/gpu.product": gpu}
-            kube.create(
-                {"apiVersion": "v1", "kind": "Node", "metadata": {"name": f"gpu-{i}", "labels": labels}}
-            )
+    fake, paths = FakeServingMetrics(), set()
+    with (
+        metrics_server(fake, paths) as port,
+        EmulatedCluster() as emulated,
+        pytest.MonkeyPatch.context() as env,
+    ):
+        kube = connect_kube(emulated, tmp_path_factory.mktemp("kube") / "kubeconfig.yaml", env)
         with run_operator():
-            yield emulated, kube, apps
-    apps.server.shutdown()
+            yield emulated, kube, Applications(fake, port, paths)
 
 
 def status(kube: Kube, name: str) -> dict[str, Any]:

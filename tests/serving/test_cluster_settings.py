@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from dspark.cli import main
-from dspark.node_resources import REPLICA_SLOTS, node_resources, node_type_of, replica_slots
+from dspark.node_resources import REPLICA_SLOTS, node_resources, node_type_of
 from dspark.serving.app import build_app, config_from_args
 from dspark.serving.config import ServeConfig, load_config
 from dspark.serving.deployment import deployment_options
@@ -26,13 +26,6 @@ def test_a_node_types_resources_name_it_back():
         node_type_of({**node_resources("a", 1), **node_resources("b", 1)})
     with pytest.raises(ValueError, match="at least one replica"):
         node_resources("a", 0)
-
-
-def test_replica_slots_one_per_gpu_else_the_cpu_budget():
-    assert replica_slots(gpus=8, cpus=96, gpus_per_replica=1) == 8
-    assert replica_slots(gpus=8, cpus=96, gpus_per_replica=2) == 4
-    assert replica_slots(gpus=0, cpus=16, cpus_per_replica=4) == 4
-    assert replica_slots(gpus=0, cpus=3, cpus_per_replica=4) == 0
 
 
 def test_ray_address_from_the_environment_and_the_flag_wins():

@@ -18,11 +18,12 @@ from prometheus_client import generate_latest
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from dspark.node_resources import REPLICA_SLOTS
 from dspark.serving.auth import BearerAuth
 from dspark.serving.config import ServeConfig
 from dspark.serving.engine_messages import EngineFactory
 from dspark.serving.handle_backend import HandleBackend
-from dspark.serving.node_placement import on_this_node, placement_resources
+from dspark.serving.node_placement import on_this_node
 from dspark.serving.openai_routes import build_openai_app
 from dspark.serving.openai_schemas import (
     ChatCompletionRequest,
@@ -172,7 +173,7 @@ def deployment_options(config: ServeConfig) -> dict[str, Any]:
     actor: dict[str, Any] = {"num_cpus": config.replica_cpus(), "num_gpus": config.num_gpus_per_replica}
     if config.placed_by_node_type:
         actor["num_cpus"] = config.num_cpus_per_replica or 0.0
-        actor["resources"] = placement_resources(config)
+        actor["resources"] = {REPLICA_SLOTS: 1.0}
     opts: dict[str, Any] = {
         "max_ongoing_requests": max_num_seqs + config.max_queue + _CONTROL_HEADROOM,
         "ray_actor_options": actor,

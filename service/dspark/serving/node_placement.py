@@ -11,11 +11,6 @@ from dspark.serving.config import ServeConfig
 log = logging.getLogger(__name__)
 
 
-def placement_resources(config: ServeConfig) -> dict[str, float]:
-    """Ray resources a replica asks for beyond CPUs and GPUs: one replica slot when placed by node type."""
-    return {REPLICA_SLOTS: 1.0} if config.placed_by_node_type else {}
-
-
 def settings_on_node(config: ServeConfig, resources: Mapping[str, float]) -> ServeConfig:
     """The replica's settings on a node with these Ray resources: its node type's SPS profile and,
     unless `num_cpus_per_replica` says otherwise, the node's CPUs shared by its replica slots.
