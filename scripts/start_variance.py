@@ -1,8 +1,13 @@
 """How much one server's speed depends on its start: N starts of each configuration, each measured
 at 1 and 16 users with the same closed-loop HTTP client, once its compiled path is on.
 
+Each level is measured `--repeats` times within a start (twins), so the spread between starts can
+be read against the spread inside one start. Beside each figure it records what the drafting
+policy did in that window, from the server's own counters: draft tokens verified and accepted per
+generated token, and the decode steps the drafting gate ran without a drafter.
+
 Prints every start's figures and the thread plan it chose, then per configuration and level the
-slowest start over the fastest.
+slowest start over the fastest (each start's mean of its twins) and the widest twin spread.
 
     python scripts/start_variance.py --starts 5
     python scripts/start_variance.py --starts 5 --config plain="--drafter none --policy none" --config defaults=""
@@ -18,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 from dspark.bench.http_load import run_level, wait_until_serving
@@ -25,6 +31,38 @@ from dspark.bench.peer import bench_prompts, free_port
 
 COMPILED = "compiled the target's forward"
 PLAN = re.compile(r"one request steps on (\d+) intra-op threads[^\n]*")
+COUNTERS = {
+    "generated": "vllm:generation_tokens_total",
+    "drafts": "vllm:spec_decode_num_drafts_total",
+    "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+    "accepted": "vllm:spec_decode_num_accepted_tokens_total",
+    "undrafted_steps": "dspark_undrafted_steps_total",
+}
+_LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def counters(base: str) -> dict[str, float]:
+    """The policy's counters, summed over labels, from the server's /metrics."""
+    with _LOOPBACK.open(base + "/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    totals = dict.fromkeys(COUNTERS, 0.0)
+    for line in text.splitlines():
+        for key, name in COUNTERS.items():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                totals[key] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def policy_share(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What the policy did between two scrapes: draft tokens verified and accepted per generated
+    token, and the decode steps the drafting gate ran without a drafter."""
+    d = {k: after[k] - before[k] for k in COUNTERS}
+    tokens = max(d["generated"], 1.0)
+    return {
+        "draft_per_token": d["draft_tokens"] / tokens,
+        "accepted_per_token": d["accepted"] / tokens,
+        "undrafted_steps": d["undrafted_steps"],
+    }
 
 
 def start(flags: str, port: int, log: Path) -> subprocess.Popen:
@@ -57,15 +95,28 @@ def measure(flags: str, log: Path, args: argparse.Namespace) -> dict:
             wait_for_line(log, COMPILED, 900, process)
         prompts = bench_prompts()
         run_level(base, "smollm2-135m", prompts, 2, 2, 16)  # warm-up: first-call allocations
-        levels = {
-            users: run_level(base, "smollm2-135m", prompts, users, max(2 * users, 8), args.max_tokens)
-            for users in args.users
-        }
+        levels: dict[int, list[tuple[float, dict[str, float]]]] = {}
+        for users in args.users:
+            for _ in range(args.repeats):
+                before = counters(base)
+                result = run_level(
+                    base, "smollm2-135m", prompts, users, max(args.rounds * users, 8), args.max_tokens
+                )
+                share = policy_share(before, counters(base))
+                levels.setdefault(users, []).append((result.aggregate_tokens_per_s, share))
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         process.wait(timeout=120)
     plan = PLAN.search(log.read_text(errors="replace"))
     return {"levels": levels, "plan": plan.group(0) if plan else "no plan line"}
+
+
+def describe(twins: list[tuple[float, dict[str, float]]]) -> str:
+    speeds = " / ".join(f"{tps:.1f}" for tps, _ in twins)
+    drafted = " / ".join(f"{s['draft_per_token']:.2f}" for _, s in twins)
+    accepted = " / ".join(f"{s['accepted_per_token']:.2f}" for _, s in twins)
+    undrafted = " / ".join(f"{s['undrafted_steps']:.0f}" for _, s in twins)
+    return f"{speeds} (draft/token {drafted}, accepted/token {accepted}, undrafted steps {undrafted})"
 
 
 def main() -> None:
@@ -81,6 +132,10 @@ def main() -> None:
     )
     parser.add_argument("--users", type=lambda s: [int(u) for u in s.split(",")], default=[1, 16])
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2, help="measurements of each level per start")
+    parser.add_argument(
+        "--rounds", type=int, default=4, help="requests per level, in multiples of the user count"
+    )
     parser.add_argument("--log-dir", type=Path, default=Path("runs/start-variance"))
     args = parser.parse_args()
     configs = dict(
@@ -95,14 +150,17 @@ def main() -> None:
         for name, flags in configs.items():
             r = measure(flags, args.log_dir / f"{name}-{i + 1}.log", args)
             results[name].append(r)
-            speeds = " | ".join(f"{r['levels'][u].aggregate_tokens_per_s:.1f}" for u in args.users)
-            print(f"| {name} | {i + 1} | {speeds} | {r['plan']} |", flush=True)
+            cells = " | ".join(describe(r["levels"][u]) for u in args.users)
+            print(f"| {name} | {i + 1} | {cells} | {r['plan']} |", flush=True)
     for name, runs in results.items():
         for u in args.users:
-            speeds = [r["levels"][u].aggregate_tokens_per_s for r in runs]
+            twins = [[tps for tps, _ in r["levels"][u]] for r in runs]
+            means = [sum(t) / len(t) for t in twins]
+            inside = min(min(t) / max(t) for t in twins)
             print(
-                f"{name}, {u} users: slowest/fastest {min(speeds) / max(speeds):.3f} "
-                f"({min(speeds):.1f} .. {max(speeds):.1f} tok/s over {len(speeds)} starts)"
+                f"{name}, {u} users: slowest/fastest start {min(means) / max(means):.3f} "
+                f"({min(means):.1f} .. {max(means):.1f} tok/s over {len(means)} starts); "
+                f"widest twin spread inside one start {inside:.3f}"
             )
 
 

@@ -1,4 +1,4 @@
-"""Hostile input against the real engine (SmolLM2-135M on the CPU, on a thread of the replica) and
+"""Hostile input against the real engine (SmolLM2-135M on the CPU, in its own process as served) and
 the real app, without Ray: the rows of `test_live_server.HOSTILE`, then the schema fuzz of
 `test_schema_fuzz`, whose generated values here reach the real tokenizer, chat template, sampler
 and grammar compiler, where the fake engine accepts anything. No input may produce a 5xx, and the
@@ -35,8 +35,9 @@ def real_schema():
         max_num_seqs=4,
         max_model_len=256,
         max_output_tokens=4,
-        engine_in_thread=True,
     )
+    # The engine runs in its own process: schemathesis's module-global portal keeps the app (and so
+    # an engine on a thread of this worker, 1.2 GB) alive to the end of the session.
     replica = EngineReplica(config)
     client = make_client(replica, api_key="fuzz-key")
     try:
