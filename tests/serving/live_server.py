@@ -3,21 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from dataclasses import dataclass
 
 import httpx
+from dspark.bench.peer import free_port  # below the ephemeral range: Ray's connections draw from it
 from dspark.serving.config import ServeConfig
 
 API_KEY = "test-key"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_config(port: int, kserve: bool) -> ServeConfig:
