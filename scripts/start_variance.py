@@ -33,7 +33,6 @@ COMPILED = "compiled the target's forward"
 PLAN = re.compile(r"one request steps on (\d+) intra-op threads[^\n]*")
 COUNTERS = {
     "generated": "vllm:generation_tokens_total",
-    "drafts": "vllm:spec_decode_num_drafts_total",
     "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
     "accepted": "vllm:spec_decode_num_accepted_tokens_total",
     "undrafted_steps": "dspark_undrafted_steps_total",
