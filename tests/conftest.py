@@ -45,12 +45,6 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
-def pytest_collection_modifyitems(items):
-    """Files marked `early` first: pytest-xdist hands out files in collection order, and a long one
-    at the end runs alone while the other worker idles."""
-    items.sort(key=lambda item: item.get_closest_marker("early") is None)
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     """After a module's last test (its module fixtures are torn down by then), free what they held.

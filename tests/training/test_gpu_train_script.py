@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import yaml
 
 from tests.conftest import write_tiny_model
@@ -19,7 +18,6 @@ from tests.training.conftest import write_prompts
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-pytestmark = pytest.mark.early  # three minutes on one core
 
 
 def _target(root: Path, smollm_dir: Path) -> Path:
