@@ -119,12 +119,21 @@ def test_openai_parse_with_a_pydantic_model(served):
     assert city.name.strip() and city.country.strip() and 0 <= city.population_millions <= 100
 
 
+def _listens_on(process: psutil.Process, port: int) -> bool:
+    try:
+        return any(
+            c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in process.connections("tcp")
+        )
+    except psutil.NoSuchProcess:  # one of Ray's short-lived helpers, gone since it was listed
+        return False
+
+
 def test_one_replica_listens_on_the_port_itself(served):
     proc, port = served
     listeners = [
         " ".join(p.cmdline())
         for p in psutil.Process(proc.pid).children(recursive=True)
-        if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in p.connections("tcp"))
+        if _listens_on(p, port)
     ]
     # Direct ingress: the replica's own server, not Ray's proxy actor, holds the port.
     assert len(listeners) == 1 and "ServeReplica" in listeners[0], listeners
