@@ -23,44 +23,33 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 from dspark.bench.http_load import run_level, wait_until_serving
 from dspark.bench.peer import bench_prompts, free_port
+from dspark_loadtest.server_metrics import Snapshot, delta, scrape, server_view
 
 COMPILED = "compiled the target's forward"
 PLAN = re.compile(r"one request steps on (\d+) intra-op threads[^\n]*")
-COUNTERS = {
-    "generated": "vllm:generation_tokens_total",
-    "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
-    "accepted": "vllm:spec_decode_num_accepted_tokens_total",
-    "undrafted_steps": "dspark_undrafted_steps_total",
-}
-_LOOPBACK = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+UNDRAFTED = ("dspark_undrafted_steps_total", ())
 
 
-def counters(base: str) -> dict[str, float]:
-    """The policy's counters, summed over labels, from the server's /metrics."""
-    with _LOOPBACK.open(base + "/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    totals = dict.fromkeys(COUNTERS, 0.0)
-    for line in text.splitlines():
-        for key, name in COUNTERS.items():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                totals[key] += float(line.rsplit(" ", 1)[1])
-    return totals
+def read_metrics(base: str) -> Snapshot:
+    snapshot = scrape(base)
+    if snapshot is None:
+        raise RuntimeError(f"cannot read {base}/metrics")
+    return snapshot
 
 
-def policy_share(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+def policy_share(before: Snapshot, after: Snapshot) -> dict[str, float]:
     """What the policy did between two scrapes: draft tokens verified and accepted per generated
     token, and the decode steps the drafting gate ran without a drafter."""
-    d = {k: after[k] - before[k] for k in COUNTERS}
-    tokens = max(d["generated"], 1.0)
+    view = server_view(before, after)
+    tokens = max(view.generation_tokens, 1.0)
     return {
-        "draft_per_token": d["draft_tokens"] / tokens,
-        "accepted_per_token": d["accepted"] / tokens,
-        "undrafted_steps": d["undrafted_steps"],
+        "draft_per_token": view.spec_decode_draft_tokens / tokens,
+        "accepted_per_token": view.spec_decode_accepted_tokens / tokens,
+        "undrafted_steps": delta(before, after).get(UNDRAFTED, 0.0),
     }
 
 
@@ -97,11 +86,11 @@ def measure(flags: str, log: Path, args: argparse.Namespace) -> dict:
         levels: dict[int, list[tuple[float, dict[str, float]]]] = {}
         for users in args.users:
             for _ in range(args.repeats):
-                before = counters(base)
+                before = read_metrics(base)
                 result = run_level(
                     base, "smollm2-135m", prompts, users, max(args.rounds * users, 8), args.max_tokens
                 )
-                share = policy_share(before, counters(base))
+                share = policy_share(before, read_metrics(base))
                 levels.setdefault(users, []).append((result.aggregate_tokens_per_s, share))
     finally:
         os.killpg(process.pid, signal.SIGTERM)
