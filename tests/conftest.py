@@ -45,6 +45,16 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile`, with real-server files serialized and long files first (see xdist_schedule)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from tests.xdist_schedule import SuiteScheduling
+
+    return SuiteScheduling(config, log)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     """After a module's last test (its module fixtures are torn down by then), free what they held.

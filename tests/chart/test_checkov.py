@@ -8,12 +8,15 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 from dspark_operator import builders
 from dspark_operator.spec import ServiceSpec
 from test_chart import CHART, EVERYTHING_ON, helm, render  # noqa: F401  (helm: the fixture)
 
 from scripts.fetch_checkov import fetch_checkov
+
+pytestmark = pytest.mark.long
 
 README = CHART / "README.md"
 NAMESPACE = "serving"  # the release's namespace, which the operator watches by default

@@ -16,6 +16,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tests.conftest import write_tiny_model
 from tests.engine.helpers import DistributionDrafter, ScriptedDrafter, engine_on
 
+pytestmark = pytest.mark.long
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 PROMPTS = BUILTIN_PROMPTS["code"] + BUILTIN_PROMPTS["chat"] + BUILTIN_PROMPTS["math"][:4]
 

@@ -25,6 +25,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from tests.conftest import write_tiny_model
 from tests.engine.helpers import DistributionDrafter, engine_on
 
+pytestmark = pytest.mark.long
+
 V = 8
 N = 36_000  # as the other exact-distribution tests: a 0.03 bias cannot pass TV < 0.01
 

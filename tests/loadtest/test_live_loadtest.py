@@ -19,7 +19,7 @@ from dspark_loadtest.runner import run_scenario
 
 from tests.serving.live_server import API_KEY, LiveServer, start
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.real_server]
 
 WORKLOAD = {"api": "mixed", "mix": {"math": 1, "code": 1, "chat": 1}, "maxTokens": 16}
 TIERS = {

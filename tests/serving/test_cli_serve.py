@@ -23,7 +23,7 @@ from pydantic import BaseModel, Field
 
 from tests.serving.live_server import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.real_server]
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -33,6 +33,8 @@ from dspark.serving.metrics import ServingMetrics
 from tests.serving.fake_engine import fake_engine_factory
 from tests.serving.test_engine_loop import GREEDY, reference
 
+pytestmark = pytest.mark.long
+
 ROOT = Path(__file__).resolve().parents[2]
 LONG = SamplingParams(max_tokens=100_000, temperature=0)  # never finishes on its own in a test
 

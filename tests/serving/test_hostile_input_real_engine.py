@@ -17,7 +17,7 @@ from schemathesis.generation import GenerationMode
 from tests.serving.conftest import make_client
 from tests.serving.test_live_server import HOSTILE
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.real_server]
 KEY = {"Authorization": "Bearer fuzz-key"}
 
 

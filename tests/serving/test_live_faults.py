@@ -15,7 +15,7 @@ import pytest
 
 from tests.serving.live_server import API_KEY, LiveServer, start
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.real_server]
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 STALL_TIMEOUT_S = 5.0
 # Long enough to be in flight when the signal comes, whatever the CPU.

@@ -30,7 +30,7 @@ from tests.conftest import write_tiny_model
 from tests.serving.fake_engine import node_recording_factory
 from tests.serving.live_server import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.real_server]
 NODE = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "object_store_memory": 80 * 1024**2}
 TYPES = ("cpu-small", "cpu-large")
 

@@ -21,6 +21,8 @@ import tests.serving.fake_engine as fake_engine_module
 from tests.serving.fake_engine import FakeEngine
 from tests.serving.live_server import _wait_ready, free_port
 
+pytestmark = pytest.mark.real_server
+
 SYSTEM = "You are a careful assistant. Answer in one short sentence, and never repeat the question. "
 
 

@@ -6,9 +6,12 @@ import os
 import subprocess
 import sys
 
+import pytest
 import ray
 from dspark.serving import runtime
 from dspark.serving.runtime import daemon_env
+
+pytestmark = pytest.mark.real_server
 
 DEFAULTS = {
     "RAY_worker_niceness": "0",

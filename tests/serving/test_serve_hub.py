@@ -21,7 +21,7 @@ from tests.hub_emulator import HubEmulator, repo_from_dir
 from tests.serving.live_server import free_port
 from tests.serving.test_cli_serve import ROOT, serve_env
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.real_server]
 TARGET = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DRAFTER = "dspark-org/smollm2-135m-dspark-block7"
 SPEC = json.dumps({"method": "dspark", "model": DRAFTER, "num_speculative_tokens": 7})
