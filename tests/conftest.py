@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,12 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+def _stop_ray() -> None:
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """`--dist loadfile`, with real-server files serialized and long files first (see xdist_schedule)."""
@@ -64,6 +71,10 @@ def pytest_runtest_teardown(item, nextitem):
     runs dozens of modules: without this, what each one left stayed resident for the session.
     """
     result = yield
+    if item.get_closest_marker("real_server") and not (
+        nextitem and nextitem.get_closest_marker("real_server")
+    ):
+        _stop_ray()  # the real-server files share one Ray (see xdist_schedule); the rest need none
     if nextitem is None or nextitem.path != item.path:
         gc.collect()
         if _MALLOC_TRIM is not None:
