@@ -89,13 +89,18 @@ def profile_engine(
     grid: list[int] | None = None,
     context_len: int = 256,
     repeats: int = 3,
-    min_seconds: float = 0.05,
+    min_seconds: float = 0.25,
     progress: Callable[[int, float], None] | None = None,
     points_per_octave: int | None = None,
 ) -> SpsProfile:
     """Fill every KV slot with a context, then time forwards of B tokens for each B in the grid (by
     default `points_per_octave` sizes per doubling: 8 on CUDA, 4 elsewhere);
-    `progress(B, forwards per second)` after every timed forward."""
+    `progress(B, forwards per second)` after every timed forward.
+
+    `min_seconds` of forwards per size: at B <= 8 on a 2-core EPYC two profiles in a row differed
+    in shape by a median 10% (up to 16%) at 0.05 s, three 20 ms forwards, and 3% (up to 6%) at
+    0.25 s, for 2-4 s more (docs/bench/profile-twins); the policy ranks verify lengths by those
+    differences."""
     if engine.has_unfinished_requests():
         raise RuntimeError("profile an idle engine: requests are running")
     max_requests = engine.cache.num_free_slots
