@@ -25,7 +25,11 @@ from dspark.commands.options import build_engine, engine_options
     "--context-len", type=int, default=256, show_default=True, help="Cached context per request while timing."
 )
 @click.option(
-    "--repeats", type=int, default=3, show_default=True, help="Timed forwards per batch size (median)."
+    "--repeats",
+    type=int,
+    default=3,
+    show_default=True,
+    help="Timed forwards per batch size, at least (and 0.25 s of them); the median counts.",
 )
 def profile(engine_config, output, plot_path, context_len, repeats) -> None:
     """Profile this engine on this hardware and write the SPS profile (exit non-zero on failure)."""
