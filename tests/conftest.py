@@ -62,6 +62,20 @@ def pytest_xdist_make_scheduler(config, log):
     return SuiteScheduling(config, log)
 
 
+def pytest_collection_modifyitems(config, items):
+    """The scheduler reads `real_server` and `long` from each file's one-line `pytestmark`: refuse
+    a marker it cannot see there (on one test, or a `pytestmark` spread over lines)."""
+    from tests.xdist_schedule import SCHEDULING_MARKS, file_marks
+
+    for item in items:
+        marked = {m for m in SCHEDULING_MARKS if item.get_closest_marker(m)}
+        if marked != file_marks(item.path):
+            raise pytest.UsageError(
+                f"{item.nodeid}: marked {sorted(marked)}, but its file's one-line pytestmark names "
+                f"{sorted(file_marks(item.path))}; the scheduler reads only that line"
+            )
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     """After a module's last test (its module fixtures are torn down by then), free what they held.

@@ -10,7 +10,7 @@ from tests.xdist_schedule import REAL_SERVERS, SuiteScheduling
 
 FILES = {
     "test_small.py": "def test_a(): pass\n",
-    "test_many.py": "",
+    "test_many.py": "# mentions pytest.mark.real_server without being marked\n",
     "test_long.py": "import pytest\npytestmark = pytest.mark.long\n",
     "test_server_a.py": "import pytest\npytestmark = [pytest.mark.slow, pytest.mark.real_server]\n",
     "test_server_b.py": "import pytest\npytestmark = pytest.mark.real_server\n",

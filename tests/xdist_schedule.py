@@ -20,16 +20,19 @@ from pathlib import Path
 from xdist.scheduler import LoadFileScheduling
 
 REAL_SERVERS = "real servers, one at a time"
-_MARK = re.compile(r"pytest\.mark\.(real_server|long)\b")
+_PYTESTMARK = re.compile(r"^pytestmark\s*=.*$", re.MULTILINE)
+SCHEDULING_MARKS = ("real_server", "long")
+_MARK = re.compile(r"pytest\.mark\.(" + "|".join(SCHEDULING_MARKS) + r")\b")
 
 
 @cache
 def file_marks(path: Path) -> frozenset[str]:
-    """The scheduling markers a test file's source names."""
+    """The scheduling markers a test file's module-level `pytestmark` line names."""
     try:
-        return frozenset(_MARK.findall(path.read_text()))
+        lines = _PYTESTMARK.findall(path.read_text())
     except OSError:
         return frozenset()
+    return frozenset(mark for line in lines for mark in _MARK.findall(line))
 
 
 class SuiteScheduling(LoadFileScheduling):
