@@ -25,9 +25,11 @@ def main() -> None:
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--min-seconds", type=float, nargs="+", default=[0.05, 0.25])
     args = parser.parse_args()
-    engine = engine_from_config(EngineConfig(target=args.target, drafter="dspark", policy="dspark"))
+    # Policy `none`, as `dspark profile`: a profiled policy would acquire (maybe measure) one first.
+    engine = engine_from_config(EngineConfig(target=args.target, drafter="dspark", policy="none"))
     engine.wait_for_background_build()
     rates: dict[float, list[np.ndarray]] = {}
+    grid = np.array([])
     for _ in range(2):
         for min_seconds in args.min_seconds:
             start = time.perf_counter()
@@ -39,7 +41,8 @@ def main() -> None:
                 flush=True,
             )
             rates.setdefault(min_seconds, []).append(np.array(profile.steps_per_second()))
-    small = np.array(profile.batch_tokens()) <= 8
+            grid = np.array(profile.batch_tokens())
+    small = grid <= 8
     print("| min_seconds | shape difference, B <= 8: median / max | all B: median / max |")
     print("|---|---|---|")
     for min_seconds, (a, b) in rates.items():

@@ -38,8 +38,8 @@ def file_marks(path: Path) -> frozenset[str]:
 class SuiteScheduling(LoadFileScheduling):
     """Per-file scheduling, with the real-server files as one unit and long files first."""
 
-    def _marks(self, nodeid: str) -> frozenset[str]:
-        return file_marks(self.config.rootpath / nodeid.split("::", 1)[0])
+    def _marks(self, nodeid_or_file: str) -> frozenset[str]:
+        return file_marks(self.config.rootpath / nodeid_or_file.split("::", 1)[0])
 
     def _split_scope(self, nodeid: str) -> str:
         return REAL_SERVERS if "real_server" in self._marks(nodeid) else super()._split_scope(nodeid)
@@ -47,7 +47,7 @@ class SuiteScheduling(LoadFileScheduling):
     def _rank(self, scope: str) -> int:
         if scope == REAL_SERVERS:
             return 0
-        return 1 if "long" in file_marks(self.config.rootpath / scope) else 2
+        return 1 if "long" in self._marks(scope) else 2
 
     def _assign_work_unit(self, node) -> None:
         # xdist pops the queue's head; put the best-ranked unit there (ties keep xdist's order).
