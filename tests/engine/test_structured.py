@@ -12,7 +12,7 @@ import pytest
 import torch
 from dspark.builder import sibling_engine
 from dspark.drafters.ngram import NgramDrafter, NoDrafter
-from dspark.engine import drafting
+from dspark.engine import drafting, structured
 from dspark.engine.drafter import DraftBlock, Drafter
 from dspark.engine.prompt import encode_prompt
 from dspark.engine.request import Request
@@ -126,6 +126,25 @@ def test_grammar_check_of_drafts_finds_the_first_forbidden_one():
     # Checking moved nothing: the matcher still expects the first letter.
     assert grammar.allowed([], 1, V)[0].nonzero().flatten().tolist() == [0, 1]
     assert grammar.advance([1, 0]) and grammar.first_forbidden([7]) is None
+
+
+def test_a_constraint_compiles_once_and_each_request_advances_its_own_copy(monkeypatch):
+    compiler = GrammarCompiler(char_tokenizer(), V, [7])
+    calls, real = [], structured.compile_grammar
+    monkeypatch.setattr(structured, "compile_grammar", lambda spec: calls.append(spec) or real(spec))
+    spec = StructuredOutput(kind="regex", value="[ab]{2}")
+    first, second = compiler.compile(spec), compiler.compile(spec)
+    assert len(calls) == 1
+    assert first.advance([0]) and first.first_forbidden([2]) == 0  # a then c: forbidden
+    # The second copy did not move with the first: it still expects the first letter.
+    assert second.allowed([], 1, V)[0].nonzero().flatten().tolist() == [0, 1]
+    assert compiler.compile(spec).allowed([], 1, V)[0].nonzero().flatten().tolist() == [0, 1]
+    compiler.compile(StructuredOutput(kind="regex", value="[cd]"))
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="invalid regex"):
+        compiler.compile(StructuredOutput(kind="regex", value="[a"))
+    with pytest.raises(ValueError, match="invalid regex"):  # refused again, not served from the cache
+        compiler.compile(StructuredOutput(kind="regex", value="[a"))
 
 
 def test_forbidden_drafts_are_cut_from_the_forward_and_output_stays_plain(tiny8):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import llguidance
@@ -25,6 +26,7 @@ import torch
 from dspark.engine.sampling_params import StructuredOutput
 
 JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: no whitespace loops, fewer tokens
+CACHED_GRAMMARS = 256  # distinct constraints kept compiled; clients tend to reuse a few schemas
 
 
 def compile_grammar(spec: StructuredOutput) -> str:
@@ -44,7 +46,10 @@ class GrammarCompiler:
     on worker threads (llguidance releases the GIL) while the engine steps.
 
     llguidance's view of the tokenizer takes about a second to build: `prepare` builds it (a server
-    does at start-up), else the first structured request does.
+    does at start-up), else the first structured request does. Compiling a constraint and building
+    its matcher cost about a millisecond for a small regex and more for a schema, so the last
+    `CACHED_GRAMMARS` constraints keep a matcher that no request advances, and each request gets a
+    copy of it.
     """
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_ids: Sequence[int]) -> None:
@@ -53,6 +58,7 @@ class GrammarCompiler:
         self._eos = sorted(eos_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
+        self._compiled: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
 
     def prepare(self) -> None:
         """Build llguidance's tokenizer now (nothing without the engine's tokenizer)."""
@@ -63,7 +69,18 @@ class GrammarCompiler:
         """A new request's grammar state; ValueError names an invalid schema, regex or grammar."""
         if self._hf is None:
             raise ValueError("structured outputs need the engine's tokenizer")
-        return GrammarState(spec, self._llg_tokenizer(), self._eos)
+        key = (spec.kind, spec.value)
+        with self._lock:
+            pristine = self._compiled.get(key)
+            if pristine is not None:
+                self._compiled.move_to_end(key)
+                return GrammarState(pristine.deep_copy(), self._eos)
+        pristine = new_matcher(spec, self._llg_tokenizer())  # outside the lock: it may take long
+        with self._lock:
+            self._compiled[key] = pristine
+            while len(self._compiled) > CACHED_GRAMMARS:
+                self._compiled.popitem(last=False)
+            return GrammarState(pristine.deep_copy(), self._eos)
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
@@ -74,23 +91,26 @@ class GrammarCompiler:
             return self._tokenizer
 
 
+def new_matcher(spec: StructuredOutput, tokenizer: llguidance.LLTokenizer) -> llguidance.LLMatcher:
+    """A matcher at the start of the constraint; ValueError names an invalid schema, regex or grammar."""
+    try:
+        grammar = compile_grammar(spec)
+    except Exception as e:  # invalid JSON or schema the compiler rejects
+        raise ValueError(f"invalid {spec.kind}: {e}") from None
+    problem = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+    if problem:
+        raise ValueError(f"invalid {spec.kind}: {problem}")
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    if matcher.is_error():
+        raise ValueError(f"invalid {spec.kind}: {matcher.get_error()}")
+    return matcher
+
+
 class GrammarState:
     """One request's grammar matcher; `error` is set once the library failed for this request."""
 
-    def __init__(
-        self, spec: StructuredOutput, tokenizer: llguidance.LLTokenizer, eos_ids: Sequence[int]
-    ) -> None:
-        """Raise ValueError naming the problem when the schema, regex or grammar is invalid."""
-        try:
-            grammar = compile_grammar(spec)
-        except Exception as e:  # invalid JSON or schema the compiler rejects
-            raise ValueError(f"invalid {spec.kind}: {e}") from None
-        problem = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
-        if problem:
-            raise ValueError(f"invalid {spec.kind}: {problem}")
-        self.matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-        if self.matcher.is_error():
-            raise ValueError(f"invalid {spec.kind}: {self.matcher.get_error()}")
+    def __init__(self, matcher: llguidance.LLMatcher, eos_ids: Sequence[int]) -> None:
+        self.matcher = matcher
         self.eos_ids = frozenset(eos_ids)
         self.error: str | None = None
 
