@@ -6,8 +6,13 @@ be read against the spread inside one start. Beside each figure it records what 
 policy did in that window, from the server's own counters: draft tokens verified and accepted per
 generated token, and the decode steps the drafting gate ran without a drafter.
 
+Before each window it times fixed work on the client's side (`machine_speed`: the same matrix
+products on two threads for three seconds), so the machine's own drift between windows is printed
+beside the servers'.
+
 Prints every start's figures and the thread plan it chose, then per configuration and level the
-slowest start over the fastest (each start's mean of its twins) and the widest twin spread.
+slowest start over the fastest (each start's mean of its twins) and the widest twin spread, and the
+slowest window of the fixed work over its fastest.
 
     python scripts/start_variance.py --starts 5
     python scripts/start_variance.py --starts 5 --config plain="--drafter none --policy none" --config defaults=""
@@ -25,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from dspark.bench.http_load import run_level, wait_until_serving
 from dspark.bench.peer import bench_prompts, free_port
 from dspark_loadtest.server_metrics import Snapshot, delta, scrape, server_view
@@ -51,6 +57,19 @@ def policy_share(before: Snapshot, after: Snapshot) -> dict[str, float]:
         "accepted_per_token": view.spec_decode_accepted_tokens / tokens,
         "undrafted_steps": delta(before, after).get(UNDRAFTED, 0.0),
     }
+
+
+def machine_speed(seconds: float = 3.0) -> float:
+    """512 x 512 fp32 matrix products per second on two threads: how fast the machine runs now."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    started, done = time.perf_counter(), 0
+    while time.perf_counter() - started < seconds:
+        a @ b
+        done += 1
+    torch.set_num_threads(threads)
+    return done / (time.perf_counter() - started)
 
 
 def start(flags: str, port: int, log: Path) -> subprocess.Popen:
@@ -86,11 +105,12 @@ def measure(flags: str, log: Path, args: argparse.Namespace) -> dict:
         levels: dict[int, list[tuple[float, dict[str, float]]]] = {}
         for users in args.users:
             for _ in range(args.repeats):
+                machine = machine_speed()
                 before = read_metrics(base)
                 result = run_level(
                     base, "smollm2-135m", prompts, users, max(args.rounds * users, 8), args.max_tokens
                 )
-                share = policy_share(before, read_metrics(base))
+                share = {**policy_share(before, read_metrics(base)), "machine": machine}
                 levels.setdefault(users, []).append((result.aggregate_tokens_per_s, share))
     finally:
         os.killpg(process.pid, signal.SIGTERM)
@@ -104,7 +124,11 @@ def describe(twins: list[tuple[float, dict[str, float]]]) -> str:
     drafted = " / ".join(f"{s['draft_per_token']:.2f}" for _, s in twins)
     accepted = " / ".join(f"{s['accepted_per_token']:.2f}" for _, s in twins)
     undrafted = " / ".join(f"{s['undrafted_steps']:.0f}" for _, s in twins)
-    return f"{speeds} (draft/token {drafted}, accepted/token {accepted}, undrafted steps {undrafted})"
+    machine = " / ".join(f"{s['machine']:.0f}" for _, s in twins)
+    return (
+        f"{speeds} (draft/token {drafted}, accepted/token {accepted}, undrafted steps {undrafted}, "
+        f"fixed work/s before {machine})"
+    )
 
 
 def main() -> None:
@@ -150,6 +174,13 @@ def main() -> None:
                 f"({min(means):.1f} .. {max(means):.1f} tok/s over {len(means)} starts); "
                 f"widest twin spread inside one start {inside:.3f}"
             )
+    machine = [
+        s["machine"] for runs in results.values() for r in runs for w in r["levels"].values() for _, s in w
+    ]
+    print(
+        f"fixed work before each window: slowest/fastest {min(machine) / max(machine):.3f} "
+        f"({min(machine):.0f} .. {max(machine):.0f} per s over {len(machine)} windows)"
+    )
 
 
 if __name__ == "__main__":
