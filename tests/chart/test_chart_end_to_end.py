@@ -40,7 +40,7 @@ from tests.hub_emulator import HubEmulator, repo_from_dir
 from tests.operator.cluster_emulator import RESOURCES, EmulatedCluster
 from tests.serving.live_server import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.long]
+pytestmark = [pytest.mark.slow, pytest.mark.real_server]
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "dspark"
 DOCS = ROOT / "docs" / "deploy-kubernetes.md"
