@@ -53,26 +53,26 @@ def _stop_ray() -> None:
         ray.shutdown()
 
 
-_KERNEL_BUILD: list[threading.Thread] = []
+_KERNEL_BUILD = pytest.StashKey[threading.Thread]()
 
 
 def pytest_sessionstart(session):
-    """On the xdist controller, which only hands out work, start building the CPU attention kernel
-    at once. Otherwise the first test to need it builds it (25-90 s) on its worker, or waits for a
-    served engine's background build at low priority while the other worker keeps both cores busy;
-    workers wait on the build's lock as they would on another worker's."""
-    config = session.config
-    if hasattr(config, "workerinput") or config.getvalue("dist") in (None, "no"):
-        return
-    from dspark.models import cpu_attention
+    """On the xdist controller (its `dsession` plugin), which only hands out work, start building
+    the CPU attention kernel at once. Otherwise the first test to need it builds it (25-90 s) on its
+    worker, or waits for a served engine's background build at low priority while the other worker
+    keeps both cores busy; workers wait on the build's lock as they would on another worker's."""
+    if session.config.pluginmanager.hasplugin("dsession"):
+        from dspark.models import cpu_attention
 
-    _KERNEL_BUILD.append(threading.Thread(target=cpu_attention.build_deferred, name="kernel build"))
-    _KERNEL_BUILD[0].start()
+        build = session.stash[_KERNEL_BUILD] = threading.Thread(
+            target=cpu_attention.build_deferred, name="kernel build"
+        )
+        build.start()
 
 
 def pytest_sessionfinish(session):
     """A short run waits for the kernel build it started rather than leave the compiler running."""
-    for build in _KERNEL_BUILD:
+    if build := session.stash.get(_KERNEL_BUILD, None):
         build.join()
 
 

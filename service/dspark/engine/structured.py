@@ -69,18 +69,22 @@ class GrammarCompiler:
         """A new request's grammar state; ValueError names an invalid schema, regex or grammar."""
         if self._hf is None:
             raise ValueError("structured outputs need the engine's tokenizer")
+        return GrammarState(self._pristine(spec).deep_copy(), self._eos)
+
+    def _pristine(self, spec: StructuredOutput) -> llguidance.LLMatcher:
+        """The constraint's cached matcher, which no request advances; compiled on a miss, outside
+        the lock (a large schema takes seconds)."""
         key = (spec.kind, spec.value)
         with self._lock:
-            pristine = self._compiled.get(key)
-            if pristine is not None:
+            if key in self._compiled:
                 self._compiled.move_to_end(key)
-                return GrammarState(pristine.deep_copy(), self._eos)
-        pristine = new_matcher(spec, self._llg_tokenizer())  # outside the lock: it may take long
+                return self._compiled[key]
+        pristine = new_matcher(spec, self._llg_tokenizer())
         with self._lock:
             self._compiled[key] = pristine
             while len(self._compiled) > CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)
-            return GrammarState(pristine.deep_copy(), self._eos)
+        return pristine
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
