@@ -110,3 +110,52 @@ def test_position_weights_and_expected_tau():
     assert abs(position_weights(7, decay=4.0)[4].item() - math.exp(-1.0)) < 1e-6
     assert expected_tau(torch.tensor([1.0, 1.0, 1.0])) == 4.0
     assert abs(expected_tau(torch.tensor([0.5, 0.5])) - 1.75) < 1e-9
+
+
+def _reference_kl(draft, target, valid, d2t=None):
+    """Forward KL(p^t || p^d) per block, summed over the drafting vocabulary, weighted as the others."""
+    n, g, _ = draft.shape
+    total, blocks = 0.0, 0
+    for b in range(n):
+        if not valid[b].any():
+            continue
+        blocks += 1
+        for k in range(g):
+            if not valid[b, k]:
+                continue
+            logp_d = torch.log_softmax(draft[b, k].double(), -1)
+            logp_t = torch.log_softmax(target[b, k].double(), -1)
+            if d2t is not None:
+                logp_t = logp_t[d2t]
+            total += math.exp(-k / g) * (logp_t.exp() * (logp_t - logp_d)).sum().item()
+    return total / blocks
+
+
+def test_forward_kl_matches_the_reference_on_full_and_reduced_vocabularies():
+    draft, target, labels, valid, _ = _inputs(vocab=11)
+    terms = block_loss(draft, target, labels, valid, position_weights(4), coef=(0.0, 0.0, 0.0, 1.0))
+    assert abs(terms.kl.item() - _reference_kl(draft, target, valid)) < 1e-4
+    assert abs(terms.total.item() - terms.kl.item()) < 1e-6
+    d2t = torch.tensor([0, 2, 3, 5, 7, 8])
+    reduced = block_loss(
+        draft[..., : len(d2t)], target, labels, valid, position_weights(4), None, d2t, coef=(0.0, 0.0, 0.0, 1.0)
+    )
+    assert abs(reduced.kl.item() - _reference_kl(draft[..., : len(d2t)], target, valid, d2t)) < 1e-4
+    off = block_loss(draft, target, labels, valid, position_weights(4), coef=(0.1, 0.9, 1.0))
+    assert off.kl.item() == 0.0
+
+
+def test_forward_kl_pushes_up_a_token_the_drafter_rates_low_where_tv_barely_does():
+    """The reason for the KL term: TV's gradient on a logit scales with p^d of that token."""
+    target = torch.tensor([[[0.0, 0.0, 0.0, 0.0]]])  # uniform p^t
+    draft = torch.tensor([[[8.0, 0.0, 0.0, -8.0]]])  # token 3 at p^d ~ 1e-7
+    labels, valid, weights = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool), torch.ones(1)
+
+    def pull(coef):
+        logits = draft.clone().requires_grad_(True)
+        block_loss(logits, target, labels, valid, weights, coef=coef).total.backward()
+        return -logits.grad[0, 0, 3].item()  # descent raises token 3's logit by this much per unit lr
+
+    kl_pull, tv_pull = pull((0.0, 0.0, 0.0, 1.0)), pull((0.0, 1.0, 0.0))
+    assert kl_pull > 0.24  # p^t - p^d = 0.25
+    assert 0 <= tv_pull < 1e-5

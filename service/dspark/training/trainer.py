@@ -283,7 +283,7 @@ class Trainer:
             self.weights,
             conf_logits,
             self.to_target,
-            (self.cfg.loss.ce, self.cfg.loss.tv, self.cfg.loss.conf),
+            (self.cfg.loss.ce, self.cfg.loss.tv, self.cfg.loss.conf, self.cfg.loss.kl),
             log_norm.reshape(n, -1) if log_norm is not None else None,
         )
 
@@ -322,6 +322,7 @@ class Trainer:
                 "ce": round(terms.ce.item(), 4),
                 "tv": round(terms.tv.item(), 4),
                 "conf": round(terms.conf.item(), 4),
+                "kl": round(terms.kl.item(), 4),
                 "accept": [round(a, 3) for a in terms.accept.tolist()],
                 "tau_est": round(expected_tau(terms.accept), 3),
                 "pos_per_s": round(positions / max(now - started, 1e-9), 1),
