@@ -138,7 +138,14 @@ def test_forward_kl_matches_the_reference_on_full_and_reduced_vocabularies():
     assert abs(terms.total.item() - terms.kl.item()) < 1e-6
     d2t = torch.tensor([0, 2, 3, 5, 7, 8])
     reduced = block_loss(
-        draft[..., : len(d2t)], target, labels, valid, position_weights(4), None, d2t, coef=(0.0, 0.0, 0.0, 1.0)
+        draft[..., : len(d2t)],
+        target,
+        labels,
+        valid,
+        position_weights(4),
+        None,
+        d2t,
+        coef=(0.0, 0.0, 0.0, 1.0),
     )
     assert abs(reduced.kl.item() - _reference_kl(draft[..., : len(d2t)], target, valid, d2t)) < 1e-4
     off = block_loss(draft, target, labels, valid, position_weights(4), coef=(0.1, 0.9, 1.0))
@@ -149,7 +156,11 @@ def test_forward_kl_pushes_up_a_token_the_drafter_rates_low_where_tv_barely_does
     """The reason for the KL term: TV's gradient on a logit scales with p^d of that token."""
     target = torch.tensor([[[0.0, 0.0, 0.0, 0.0]]])  # uniform p^t
     draft = torch.tensor([[[8.0, 0.0, 0.0, -8.0]]])  # token 3 at p^d ~ 1e-7
-    labels, valid, weights = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool), torch.ones(1)
+    labels, valid, weights = (
+        torch.zeros(1, 1, dtype=torch.long),
+        torch.ones(1, 1, dtype=torch.bool),
+        torch.ones(1),
+    )
 
     def pull(coef):
         logits = draft.clone().requires_grad_(True)

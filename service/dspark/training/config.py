@@ -105,7 +105,9 @@ class LossConfig(_Strict):
     tv: float = 0.9
     conf: float = 1.0
     kl: float = Field(
-        0.0, ge=0, description="Forward KL(p^t || p^d): pushes up tokens the drafter rates low, where TV barely does."
+        0.0,
+        ge=0,
+        description="Forward KL(p^t || p^d): pushes up tokens the drafter rates low, where TV barely does.",
     )
     decay: float | None = Field(
         None, description="w_k = exp(-(k-1)/decay); None = block_size, as in the paper."
