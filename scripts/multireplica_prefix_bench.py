@@ -179,6 +179,12 @@ def main() -> None:
     )
     parser.add_argument("--config", help="A serve YAML file of further settings (dtype, drafter, ...).")
     parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument(
+        "--prefix-cache-gib",
+        type=float,
+        help="Each replica's prefix store beside its KV slots (default: the engine's). 0 with a few "
+        "slots bounds what a replica can keep to about the conversations it serves at once.",
+    )
     parser.add_argument("--conversations", type=int, default=32)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--users", type=int, default=8, help="Conversations under way at once.")
@@ -218,7 +224,12 @@ def main() -> None:
                         "build_in_background": False,
                         "port": args.port,
                         "engine_stall_timeout_s": args.engine_stall_timeout_s,
-                    },
+                    }
+                    | (
+                        {"prefix_cache_gib": args.prefix_cache_gib}
+                        if args.prefix_cache_gib is not None
+                        else {}
+                    ),
                     environ={},
                 )
                 started = time.monotonic()
