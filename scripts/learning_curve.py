@@ -1,10 +1,11 @@
 """Learning curves of drafters trained side by side: tau against training tokens seen.
 
-Usage: python scripts/learning_curve.py RUN_DIR
+Usage: python scripts/learning_curve.py RUN_DIR [--by run --x seconds]
 RUN_DIR holds `acceptance/acceptance.json` (`dspark bench acceptance` over the drafters' exports
-`train/KIND/step-NNNNNN/`, whose training.json gives the step and `tokens_seen`). Writes
-RUN_DIR/learning_curve.json (every point, and the conditional acceptance by position at the last
-one) and RUN_DIR/learning_curve.png (one panel per temperature, one line per drafter).
+`train/KIND/step-NNNNNN/`, whose training.json gives the step, `tokens_seen` and `train_wall_s`).
+Writes RUN_DIR/learning_curve.json (every point, and the conditional acceptance by position at the
+last one) and RUN_DIR/learning_curve.png (one panel per temperature, one line per drafter kind, or
+with `--by run` per training run: recipes of one drafter compared at equal training time).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ def collect(run_dir: Path) -> dict:
             {
                 "step": info["steps"],
                 "tokens": info["tokens_seen"],
+                "seconds": info.get("train_wall_s"),
                 "kind": run["kind"],
+                "run": export.parent.name,
                 "temperature": run["temperature"],
                 "gamma": run["gamma"],
                 "macro_tau": run["macro_tau"],
@@ -33,20 +36,27 @@ def collect(run_dir: Path) -> dict:
         )
     if not points:
         raise SystemExit(f"{run_dir}/acceptance/acceptance.json holds no runs")
-    last = max(p["step"] for p in points)
+    last = {}
+    for p in points:
+        last[p["run"]] = max(last.get(p["run"], 0), p["step"])
     conditional = [
         {
             "kind": run["kind"],
+            "run": point["run"],
+            "step": point["step"],
             "temperature": run["temperature"],
             "conditional": {d: m["conditional"] for d, m in run["domains"].items()},
         }
         for run, point in zip(report["runs"], points, strict=True)
-        if point["step"] == last
+        if point["step"] == last[point["run"]]
     ]
     return {"points": points, "last_point_conditional_acceptance": conditional}
 
 
-def plot(curves: dict, path: Path) -> Path:
+X_LABELS = {"tokens": "training response tokens seen", "seconds": "training wall time (s)"}
+
+
+def plot(curves: dict, path: Path, by: str = "kind", x: str = "tokens") -> Path:
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -55,16 +65,17 @@ def plot(curves: dict, path: Path) -> Path:
     temperatures = sorted({p["temperature"] for p in curves["points"]})
     fig, axes = plt.subplots(1, len(temperatures), figsize=(5 * len(temperatures), 4), squeeze=False)
     for ax, temperature in zip(axes[0], temperatures, strict=True):
-        for kind in ("dspark", "dflash", "eagle3"):
+        lines = sorted({p[by] for p in curves["points"]})
+        for line in lines:
             rows = sorted(
-                (p["tokens"], p["macro_tau"])
+                (p[x], p["macro_tau"])
                 for p in curves["points"]
-                if p["kind"] == kind and p["temperature"] == temperature
+                if p[by] == line and p["temperature"] == temperature
             )
             if rows:
-                ax.plot([r[0] for r in rows], [r[1] for r in rows], marker="o", label=kind)
+                ax.plot([r[0] for r in rows], [r[1] for r in rows], marker="o", label=line)
         ax.set_title(f"T = {temperature:g}, block 7, whole block verified")
-        ax.set_xlabel("training response tokens seen")
+        ax.set_xlabel(X_LABELS[x])
         ax.set_ylabel("macro tau (held-out bench split)")
         ax.grid(alpha=0.3)
         ax.legend()
@@ -77,13 +88,18 @@ def plot(curves: dict, path: Path) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", type=Path)
+    parser.add_argument(
+        "--by", choices=["kind", "run"], default="kind", help="One line per drafter kind or run."
+    )
+    parser.add_argument("--x", choices=sorted(X_LABELS), default="tokens")
     args = parser.parse_args()
     curves = collect(args.run_dir)
     (args.run_dir / "learning_curve.json").write_text(json.dumps(curves, indent=2) + "\n")
-    plot(curves, args.run_dir / "learning_curve.png")
+    plot(curves, args.run_dir / "learning_curve.png", args.by, args.x)
     for p in curves["points"]:
         print(
-            f"step {p['step']:>6} tokens {p['tokens']:>9} {p['kind']:<7} T={p['temperature']:g} tau {p['macro_tau']:.3f}"
+            f"{p['run']:<12} step {p['step']:>6} tokens {p['tokens']:>9} {p['seconds'] or 0:>8.0f} s "
+            f"{p['kind']:<7} T={p['temperature']:g} tau {p['macro_tau']:.3f}"
         )
 
 

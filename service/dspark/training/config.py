@@ -45,6 +45,11 @@ class DataConfig(_Strict):
         False, description="Refuse to run when an evaluation set's package is missing (cannot check overlap)."
     )
     ngram: int = Field(8, ge=3, description="Word n-gram length of the overlap test.")
+    loops: Literal["keep", "truncate"] = Field(
+        "keep",
+        description="Looping answers (a tail that only repeats its own 8-grams): keep them, or cut each "
+        "32 tokens into its loop (dspark/training/loops.py).",
+    )
     generation_batch: int = Field(64, ge=1)
     feature_batch_tokens: int = Field(4096, ge=64)
     seed: int = 0
@@ -112,6 +117,20 @@ class LossConfig(_Strict):
     decay: float | None = Field(
         None, description="w_k = exp(-(k-1)/decay); None = block_size, as in the paper."
     )
+
+
+# Fields added after runs were stored, with the value that reproduces the behaviour from before them:
+# a stored config without one still resumes when the field has that value.
+_ADDED_WITH_DEFAULT = {("loss", "kl"): 0.0, ("data", "loops"): "keep"}
+
+
+def comparable(config: dict) -> dict:
+    """A config dump without the later-added fields that hold their old behaviour's value."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in config.items()}
+    for (block, name), value in _ADDED_WITH_DEFAULT.items():
+        if isinstance(out.get(block), dict) and out[block].get(name) == value:
+            del out[block][name]
+    return out
 
 
 class TrainConfig(_Strict):

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import torch
-from dspark.training.config import TrainConfig
+from dspark.training.config import TrainConfig, comparable
 from dspark.training.features import SHARD_PATTERN, extract_features
 from dspark.training.prompts import PROMPTS_FILE, NoUsableData, read_jsonl, select_prompts, write_prompts
 from dspark.training.selfdistill import SAMPLES_FILE, generate_samples
@@ -24,7 +24,7 @@ MANIFEST_FILE = "manifest.json"
 
 def _data_key(cfg: TrainConfig) -> dict:
     """What determines the data directory's content; a different one in the same dir is refused."""
-    return {"target": cfg.target, "data": cfg.data.model_dump(mode="json")}
+    return comparable({"target": cfg.target, "data": cfg.data.model_dump(mode="json")})
 
 
 def check_manifest(cfg: TrainConfig) -> None:
@@ -70,9 +70,17 @@ def collect_samples(
     if cfg.data.sources or cfg.data.raw_text:
         groups.append((cfg.data_dir, _prompt_samples(cfg, model_dir, device, dtype, progress)))
     groups += _corpus_samples(cfg, model_dir, skip_bad_shards)
+    if cfg.data.loops == "truncate":
+        groups = [(d, [_loop_cut(s) for s in samples]) for d, samples in groups]
     if not any(samples for _, samples in groups):
         raise NoUsableData(f"{cfg.data_dir}: no sample has a response of at least 2 tokens")
     return groups
+
+
+def _loop_cut(sample: dict) -> dict:
+    from dspark.training.loops import truncate_loop
+
+    return {**sample, "response_ids": truncate_loop(sample["response_ids"])}
 
 
 def prepare_data(

@@ -23,7 +23,7 @@ import torch
 from dspark.drafters.checkpoint import save_draft_model
 from dspark.drafters.dspark_model import DSparkModel
 from dspark.training.build import draft_vocabulary, drafter_raw_config, new_drafter
-from dspark.training.config import TrainConfig
+from dspark.training.config import TrainConfig, comparable
 from dspark.training.features import Sequence, add_log_normalizers
 from dspark.training.forward import dspark_block_logits, eagle3_block_logits
 from dspark.training.losses import block_loss, expected_tau, position_weights
@@ -224,7 +224,7 @@ class Trainer:
     def _resume_key(config: dict) -> dict:
         """What a checkpoint's config must share with this one to be resumed: all but the step budget,
         how features are obtained (both give the same batches) and the starting point (done with)."""
-        key = copy.deepcopy(config)
+        key = copy.deepcopy(comparable(config))
         key.get("optim", {}).pop("max_steps", None)
         key.pop("features", None)
         key.pop("warm_start", None)
