@@ -56,7 +56,23 @@ def collect(run_dir: Path) -> dict:
 X_LABELS = {"tokens": "training response tokens seen", "seconds": "training wall time (s)"}
 
 
-def plot(curves: dict, path: Path, by: str = "kind", x: str = "tokens") -> Path:
+def references(path: Path) -> list[dict]:
+    """Each drafter of another `acceptance.json` (e.g. the warm start), drawn as a level line."""
+    report = json.loads(path.read_text())
+    return [
+        {"name": r["drafter"], "temperature": r["temperature"], "macro_tau": r["macro_tau"]}
+        for r in report["runs"]
+    ]
+
+
+def plot(
+    curves: dict,
+    path: Path,
+    by: str = "kind",
+    x: str = "tokens",
+    labels: dict[str, str] | None = None,
+    levels: list[dict] | None = None,
+) -> Path:
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -73,7 +89,17 @@ def plot(curves: dict, path: Path, by: str = "kind", x: str = "tokens") -> Path:
                 if p[by] == line and p["temperature"] == temperature
             )
             if rows:
-                ax.plot([r[0] for r in rows], [r[1] for r in rows], marker="o", label=line)
+                ax.plot(
+                    [r[0] for r in rows],
+                    [r[1] for r in rows],
+                    marker="o",
+                    label=(labels or {}).get(line, line),
+                )
+        for level in levels or []:
+            if level["temperature"] == temperature:
+                ax.axhline(
+                    level["macro_tau"], linestyle="--", color="gray", label=f"{level['name']} (reference)"
+                )
         ax.set_title(f"T = {temperature:g}, block 7, whole block verified")
         ax.set_xlabel(X_LABELS[x])
         ax.set_ylabel("macro tau (held-out bench split)")
@@ -92,10 +118,18 @@ def main() -> None:
         "--by", choices=["kind", "run"], default="kind", help="One line per drafter kind or run."
     )
     parser.add_argument("--x", choices=sorted(X_LABELS), default="tokens")
+    parser.add_argument("--label", action="append", default=[], help="RUN=NAME: a line's legend entry.")
+    parser.add_argument(
+        "--reference", type=Path, help="An acceptance.json drawn as level lines (e.g. the warm start)."
+    )
     args = parser.parse_args()
     curves = collect(args.run_dir)
+    levels = references(args.reference) if args.reference else []
+    if levels:
+        curves["references"] = levels
     (args.run_dir / "learning_curve.json").write_text(json.dumps(curves, indent=2) + "\n")
-    plot(curves, args.run_dir / "learning_curve.png", args.by, args.x)
+    labels = dict(item.split("=", 1) for item in args.label)
+    plot(curves, args.run_dir / "learning_curve.png", args.by, args.x, labels, levels)
     for p in curves["points"]:
         print(
             f"{p['run']:<12} step {p['step']:>6} tokens {p['tokens']:>9} {p['seconds'] or 0:>8.0f} s "
