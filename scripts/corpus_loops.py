@@ -2,7 +2,7 @@
 
 A looping answer's tail only repeats 8-grams it already produced (`dspark.training.loops`). Prints
 per temperature and finish reason: answers, response tokens, looping answers and their tokens from
-the loop's start on, and what `data.loops: truncate` would leave.
+the loop's start on, and what `data.loops: truncate` would remove.
 
     python scripts/corpus_loops.py data/selfdistill/smollm2-135m
 """
@@ -13,10 +13,8 @@ import argparse
 from collections import Counter
 from pathlib import Path
 
-from dspark.training.loops import loop_start
+from dspark.training.loops import LOOP_KEEP, loop_start
 from dspark.training.shards import load_corpus
-
-KEEP = 32  # what truncate_loop keeps of a loop
 
 
 def main() -> None:
@@ -34,7 +32,7 @@ def main() -> None:
             start = loop_start(s.response_ids)
             if start is not None:
                 looping[key] += 1
-                tails[key] += max(0, len(s.response_ids) - start - KEEP)
+                tails[key] += max(0, len(s.response_ids) - start - LOOP_KEEP)
     print("| sampling | finish | answers | response tokens | looping answers | tokens truncate removes |")
     print("|---|---|---|---|---|---|")
     for key in sorted(answers):

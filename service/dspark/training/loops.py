@@ -1,14 +1,16 @@
 """Looping answers: a response whose tail only repeats n-grams it already produced.
 
-Half of the default corpus's greedy response tokens are such tails (a small target at T = 0 falls
+About 40% of the default corpus's greedy response tokens are such tails (a small target at T = 0 falls
 into a cycle and stays there until the length limit). They are trivially predictable copies, so
 they teach the drafter little per training step; `data.loops: truncate` keeps the first
-`keep` tokens of each loop, so the drafter still sees loops begin.
+`LOOP_KEEP` tokens of each loop, so the drafter still sees loops begin.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+LOOP_KEEP = 32  # tokens of a loop that truncation keeps
 
 
 def loop_start(tokens: Sequence[int], n: int = 8, cover: float = 0.9, min_tail: int = 32) -> int | None:
@@ -32,7 +34,7 @@ def loop_start(tokens: Sequence[int], n: int = 8, cover: float = 0.9, min_tail: 
     return next(i for i in range(start, len(repeats)) if repeats[i])
 
 
-def truncate_loop(tokens: list[int], keep: int = 32) -> list[int]:
+def truncate_loop(tokens: list[int], keep: int = LOOP_KEEP) -> list[int]:
     """`tokens` cut `keep` tokens after its loop starts (unchanged when it does not loop)."""
     start = loop_start(tokens)
     return tokens if start is None else tokens[: start + keep]
