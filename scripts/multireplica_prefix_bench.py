@@ -224,12 +224,8 @@ def main() -> None:
                         "build_in_background": False,
                         "port": args.port,
                         "engine_stall_timeout_s": args.engine_stall_timeout_s,
-                    }
-                    | (
-                        {"prefix_cache_gib": args.prefix_cache_gib}
-                        if args.prefix_cache_gib is not None
-                        else {}
-                    ),
+                        "prefix_cache_gib": args.prefix_cache_gib,  # None: the engine's
+                    },
                     environ={},
                 )
                 started = time.monotonic()

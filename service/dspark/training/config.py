@@ -8,7 +8,7 @@ from typing import Literal
 
 import yaml
 from dspark.models.registry import DEFAULT_MODEL
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class _Strict(BaseModel):
@@ -119,18 +119,14 @@ class LossConfig(_Strict):
     )
 
 
-# Fields added after runs were stored, with the value that reproduces the behaviour from before them:
-# a stored config without one still resumes when the field has that value.
-_ADDED_WITH_DEFAULT = {("loss", "kl"): 0.0, ("data", "loops"): "keep"}
-
-
-def comparable(config: dict) -> dict:
-    """A config dump without the later-added fields that hold their old behaviour's value."""
-    out = {k: dict(v) if isinstance(v, dict) else v for k, v in config.items()}
-    for (block, name), value in _ADDED_WITH_DEFAULT.items():
-        if isinstance(out.get(block), dict) and out[block].get(name) == value:
-            del out[block][name]
-    return out
+def as_current(model: type[BaseModel], stored: dict) -> dict | None:
+    """A stored dump read as the current `model` writes it: fields added since take their defaults,
+    so a config stored before them compares equal to one that leaves them at those defaults. None
+    when it no longer validates."""
+    try:
+        return model.model_validate(stored).model_dump(mode="json")
+    except ValidationError:
+        return None
 
 
 class TrainConfig(_Strict):

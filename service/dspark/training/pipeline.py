@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 
 import torch
-from dspark.training.config import TrainConfig, comparable
+from dspark.training.config import DataConfig, TrainConfig, as_current
 from dspark.training.features import SHARD_PATTERN, extract_features
+from dspark.training.loops import truncate_loop
 from dspark.training.prompts import PROMPTS_FILE, NoUsableData, read_jsonl, select_prompts, write_prompts
 from dspark.training.selfdistill import SAMPLES_FILE, generate_samples
 
@@ -24,15 +25,15 @@ MANIFEST_FILE = "manifest.json"
 
 def _data_key(cfg: TrainConfig) -> dict:
     """What determines the data directory's content; a different one in the same dir is refused."""
-    return comparable({"target": cfg.target, "data": cfg.data.model_dump(mode="json")})
+    return {"target": cfg.target, "data": cfg.data.model_dump(mode="json")}
 
 
 def check_manifest(cfg: TrainConfig) -> None:
     path = cfg.data_dir / MANIFEST_FILE
     key = _data_key(cfg)
     if path.is_file():
-        stored = json.loads(path.read_text())
-        if stored.get("key") != key:
+        stored = json.loads(path.read_text()).get("key") or {}
+        if {"target": stored.get("target"), "data": as_current(DataConfig, stored.get("data") or {})} != key:
             raise ValueError(
                 f"{cfg.data_dir} was built from a different target/data config; use another data_dir "
                 "or delete it"
@@ -78,8 +79,6 @@ def collect_samples(
 
 
 def _loop_cut(sample: dict) -> dict:
-    from dspark.training.loops import truncate_loop
-
     return {**sample, "response_ids": truncate_loop(sample["response_ids"])}
 
 

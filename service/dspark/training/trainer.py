@@ -23,7 +23,7 @@ import torch
 from dspark.drafters.checkpoint import save_draft_model
 from dspark.drafters.dspark_model import DSparkModel
 from dspark.training.build import draft_vocabulary, drafter_raw_config, new_drafter
-from dspark.training.config import TrainConfig, comparable
+from dspark.training.config import TrainConfig, as_current
 from dspark.training.features import Sequence, add_log_normalizers
 from dspark.training.forward import dspark_block_logits, eagle3_block_logits
 from dspark.training.losses import block_loss, expected_tau, position_weights
@@ -221,11 +221,14 @@ class Trainer:
         return draft_vocabulary(counts, self.cfg.drafter.draft_vocab_size, self.vocab_size)
 
     @staticmethod
-    def _resume_key(config: dict) -> dict:
+    def _resume_key(config: dict) -> dict | None:
         """What a checkpoint's config must share with this one to be resumed: all but the step budget,
-        how features are obtained (both give the same batches) and the starting point (done with)."""
-        key = copy.deepcopy(comparable(config))
-        key.get("optim", {}).pop("max_steps", None)
+        how features are obtained (both give the same batches) and the starting point (done with).
+        None for a config that no longer validates."""
+        key = as_current(TrainConfig, config)
+        if key is None:
+            return None
+        key["optim"].pop("max_steps", None)
         key.pop("features", None)
         key.pop("warm_start", None)
         return key
@@ -322,7 +325,7 @@ class Trainer:
                 "ce": round(terms.ce.item(), 4),
                 "tv": round(terms.tv.item(), 4),
                 "conf": round(terms.conf.item(), 4),
-                "kl": round(terms.kl.item(), 4),
+                **({"kl": round(terms.kl.item(), 4)} if self.cfg.loss.kl else {}),  # not computed at 0
                 "accept": [round(a, 3) for a in terms.accept.tolist()],
                 "tau_est": round(expected_tau(terms.accept), 3),
                 "pos_per_s": round(positions / max(now - started, 1e-9), 1),
